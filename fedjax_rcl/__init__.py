@@ -1,0 +1,1 @@
+"""fedjax-rcl: federated learning simulated on accelerators in JAX."""

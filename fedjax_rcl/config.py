@@ -1,0 +1,202 @@
+"""The typed run configuration: dataclasses, YAML files, dotted overrides, full validation.
+
+A run is described by one ``Config``. It is built from the defaults below, then a YAML file,
+then ``key=value`` overrides (``fedjax-rcl train exp.yaml rounds=50 server.lr=0.5``), through
+OmegaConf's structured configs (types enforced, unknown keys rejected). ``validate`` then checks
+every field and reports all problems at once, each naming the field, the value and what is
+allowed, before anything is compiled. The defaults are the quick offline main job; the paper's
+settings live in ``experiments/*.yaml``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+
+from omegaconf import OmegaConf
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
+
+
+class ConfigError(ValueError):
+    """A bad configuration. ``str(err)`` is one line per problem, each naming the field."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = list(problems)
+        super().__init__("\n".join(self.problems))
+
+
+@dataclass
+class ServerConfig:
+    """Server optimizer on the pseudo-gradient (SPEC §6)."""
+
+    optimizer: str = "fedavg"  # fedavg
+    lr: float = 1.0
+
+
+@dataclass
+class Config:
+    """One federated run. The flat core keys are named as in the README and SPEC.
+
+    Attributes are documented inline; ranges are enforced by ``validate``.
+    """
+
+    seed: int = 0
+    dataset: str = "digits"  # digits | cifar10 | cifar100 | imagefolder:PATH
+    data_dir: str | None = None  # TFDS data dir for cifar10/cifar100
+    model: str = "cnn"  # cnn | resnet18 | resnet34
+    algorithm: str = "fedavg"
+    num_clients: int = 20
+    participation: float = 0.25  # fraction of clients sampled each round
+    partition: str = "dirichlet"  # iid | dirichlet | shards
+    alpha: float = 0.3  # Dirichlet concentration
+    balanced: bool = True  # dirichlet: the reference's equal-size split (True) or MOON's (False)
+    shards_per_client: int = 2  # shards: gamma
+    rounds: int = 100
+    local_epochs: int = 5
+    batch_size: int = 50
+    lr: float = 0.1  # client learning rate at round 0, epoch 0
+    lr_decay: float = 0.998  # lr * lr_decay ** (round + epoch), as the reference
+    momentum: float = 0.0
+    weight_decay: float = 1e-3
+    clip_norm: float = 10.0  # global gradient-norm clipping; 0 disables
+    aggregation: str = "size"  # size | uniform
+    augment: bool = True  # rotation, crop, flip during local training
+    eval_every: int = 1  # rounds between evaluations (the rounds in between are fused)
+    eval_batch_size: int = 500
+    ema_decay: float = 0.9
+    conv_impl: str = "auto"  # auto (patches on CPU, native on GPU/TPU) | patches | native
+    norm: str = "group"
+    run_dir: str | None = None  # default: runs/<dataset>-<algorithm>-<timestamp>
+    server: ServerConfig = field(default_factory=ServerConfig)
+
+
+def _format_key_error(err: OmegaConfBaseException) -> str:
+    key = getattr(err, "full_key", None) or "?"
+    if isinstance(err, ConfigKeyError):
+        parent = key.rsplit(".", 1)[0] if "." in key else None
+        schema = Config if parent is None else type(getattr(Config(), parent, Config()))
+        allowed = ", ".join(f.name for f in dataclasses.fields(schema))
+        return f"{key}: unknown config key; allowed keys here: {allowed}"
+    if isinstance(err, ValidationError):
+        msg = str(getattr(err, "msg", err)).splitlines()[0]
+        return f"{key}: {msg}"
+    return f"{key}: {str(err).splitlines()[0]}"
+
+
+def load_config(path: str | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Defaults <- YAML file <- ``key=value`` overrides, type-checked; then ``validate``.
+
+    Raises:
+      ConfigError: unreadable file, bad YAML, unknown key, wrong type, or any invalid value.
+    """
+    base = OmegaConf.structured(Config)
+    layers = []
+    if path is not None:
+        try:
+            loaded = OmegaConf.load(path)
+        except FileNotFoundError:
+            raise ConfigError([f"config file {path!r}: not found"]) from None
+        except Exception as e:  # YAML syntax errors come in several types
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise ConfigError([f"config file {path!r}: not valid YAML ({first})"]) from None
+        if not isinstance(loaded, type(base)):
+            raise ConfigError([f"config file {path!r}: must be a mapping of keys to values"])
+        layers.append(loaded)
+    bad = [o for o in overrides if "=" not in o or o.startswith("=")]
+    if bad:
+        raise ConfigError([f"override {o!r}: expected key=value" for o in bad])
+    try:
+        layers.append(OmegaConf.from_dotlist(list(overrides)))
+    except OmegaConfBaseException as e:
+        raise ConfigError([f"overrides: {str(e).splitlines()[0]}"]) from None
+    try:
+        merged = OmegaConf.merge(base, *layers)
+        cfg = OmegaConf.to_object(merged)
+    except OmegaConfBaseException as e:
+        raise ConfigError([_format_key_error(e)]) from None
+    validate(cfg)
+    return cfg
+
+
+def to_yaml(cfg: Config) -> str:
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+def to_dict(cfg: Config) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def _check(problems: list[str], ok: bool, name: str, value, allowed: str) -> None:
+    if not ok:
+        problems.append(f"{name}={value!r}: {allowed}")
+
+
+def validate(cfg: Config, *, check_data: bool = True) -> None:
+    """Checks every field; raises ``ConfigError`` listing all problems (one line each).
+
+    Args:
+      cfg: the configuration.
+      check_data: also check that the dataset exists / can be obtained (cheap, no decoding).
+    """
+    # Imported here: the registries live with their modules, and importing them pulls in JAX.
+    from fedjax_rcl.algorithms import ALGORITHMS
+    from fedjax_rcl.data.partition import METHODS
+    from fedjax_rcl.models import MODELS
+    from fedjax_rcl.nn.conv import CONV_IMPLS
+    from fedjax_rcl.nn.norm import NORMS
+    from fedjax_rcl.server import AGGREGATIONS, SERVER_OPTIMIZERS
+
+    p: list[str] = []
+    finite = lambda x: isinstance(x, int | float) and math.isfinite(x)
+    _check(p, cfg.seed >= 0, "seed", cfg.seed, "must be an integer >= 0")
+    _check(p, cfg.model in MODELS, "model", cfg.model, f"allowed: {', '.join(MODELS)}")
+    _check(p, cfg.algorithm in ALGORITHMS, "algorithm", cfg.algorithm,
+           f"allowed: {', '.join(ALGORITHMS)}")
+    _check(p, cfg.num_clients >= 1, "num_clients", cfg.num_clients, "must be >= 1")
+    _check(p, finite(cfg.participation) and 0 < cfg.participation <= 1, "participation",
+           cfg.participation, "must be in (0, 1]")
+    _check(p, cfg.partition in METHODS, "partition", cfg.partition,
+           f"allowed: {', '.join(METHODS)}")
+    if cfg.partition == "dirichlet":
+        _check(p, finite(cfg.alpha) and cfg.alpha > 0, "alpha", cfg.alpha,
+               "must be a finite number > 0 (Dirichlet concentration)")
+    if cfg.partition == "shards":
+        _check(p, cfg.shards_per_client >= 1, "shards_per_client", cfg.shards_per_client,
+               "must be >= 1")
+    _check(p, cfg.rounds >= 1, "rounds", cfg.rounds, "must be >= 1")
+    _check(p, cfg.local_epochs >= 1, "local_epochs", cfg.local_epochs, "must be >= 1")
+    _check(p, cfg.batch_size >= 1, "batch_size", cfg.batch_size, "must be >= 1")
+    _check(p, finite(cfg.lr) and cfg.lr > 0, "lr", cfg.lr, "must be a finite number > 0")
+    _check(p, finite(cfg.lr_decay) and 0 < cfg.lr_decay <= 1, "lr_decay", cfg.lr_decay,
+           "must be in (0, 1]")
+    _check(p, finite(cfg.momentum) and 0 <= cfg.momentum < 1, "momentum", cfg.momentum,
+           "must be in [0, 1)")
+    _check(p, finite(cfg.weight_decay) and cfg.weight_decay >= 0, "weight_decay",
+           cfg.weight_decay, "must be >= 0")
+    _check(p, finite(cfg.clip_norm) and cfg.clip_norm >= 0, "clip_norm", cfg.clip_norm,
+           "must be >= 0 (0 disables clipping)")
+    _check(p, cfg.aggregation in AGGREGATIONS, "aggregation", cfg.aggregation,
+           f"allowed: {', '.join(AGGREGATIONS)}")
+    _check(p, cfg.eval_every >= 1, "eval_every", cfg.eval_every, "must be >= 1")
+    _check(p, cfg.eval_batch_size >= 1, "eval_batch_size", cfg.eval_batch_size, "must be >= 1")
+    _check(p, finite(cfg.ema_decay) and 0 <= cfg.ema_decay < 1, "ema_decay", cfg.ema_decay,
+           "must be in [0, 1)")
+    _check(p, cfg.conv_impl in CONV_IMPLS, "conv_impl", cfg.conv_impl,
+           f"allowed: {', '.join(CONV_IMPLS)}")
+    _check(p, cfg.norm in NORMS, "norm", cfg.norm, f"allowed: {', '.join(NORMS)}")
+    _check(p, cfg.server.optimizer in SERVER_OPTIMIZERS, "server.optimizer",
+           cfg.server.optimizer, f"allowed: {', '.join(SERVER_OPTIMIZERS)}")
+    _check(p, finite(cfg.server.lr) and cfg.server.lr > 0, "server.lr", cfg.server.lr,
+           "must be a finite number > 0")
+    _check(p, cfg.run_dir is None or cfg.run_dir.strip() != "", "run_dir", cfg.run_dir,
+           "must be a path or null")
+    if check_data:
+        from fedjax_rcl.data import DataError, check_dataset_spec
+
+        try:
+            check_dataset_spec(cfg.dataset, data_dir=cfg.data_dir)
+        except DataError as e:
+            p.append(f"dataset={cfg.dataset!r}: {e}")
+    if p:
+        raise ConfigError(p)

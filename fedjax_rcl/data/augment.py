@@ -1,0 +1,97 @@
+"""In-graph image augmentation, per sample, in the FedRCL reference's order.
+
+Train: random rotation in ``[-max_degrees, max_degrees]`` (nearest neighbour, zero fill) ->
+random crop back to ``H x W`` from the image zero-padded by ``crop_padding`` -> horizontal flip
+with probability 1/2 -> normalize. Test: normalize only.
+
+The three geometric steps are composed into one inverse coordinate map, so a batch costs a
+single gather: output pixel ``(y, x)`` reads the source pixel
+
+.. math::
+    x_f = \\begin{cases} W-1-x & \\text{flip} \\\\ x \\end{cases},\\quad
+    (u, v) = (y + o_y - p,\\; x_f + o_x - p),\\quad
+    (r, c) = \\operatorname{round}\\big(R_{-\\theta}((u, v) - \\kappa) + \\kappa\\big)
+
+with crop offsets ``o ~ U{0..2p}``, rotation centre ``kappa = ((H-1)/2, (W-1)/2)``, and reads 0
+when ``(u, v)`` falls in the crop padding or ``(r, c)`` falls outside the image. This equals
+applying rotation, then padded crop, then flip one after the other (tested against that).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+
+
+def normalize(images: jax.Array, mean: Sequence[float], std: Sequence[float]) -> jax.Array:
+    """``uint8 [..., C]`` in 0..255 -> ``float32 (x/255 - mean)/std``."""
+    mean = jnp.asarray(mean, jnp.float32)
+    std = jnp.asarray(std, jnp.float32)
+    return (images.astype(jnp.float32) / 255.0 - mean) / std
+
+
+def augment_params(key: jax.Array, *, max_degrees: float, crop_padding: int,
+                   hflip: bool) -> dict[str, jax.Array]:
+    """Draws one sample's augmentation: angle (radians), crop offsets and flip flag."""
+    k_rot, k_y, k_x, k_flip = jax.random.split(key, 4)
+    angle = jnp.deg2rad(jax.random.uniform(k_rot, (), minval=-max_degrees, maxval=max_degrees))
+    oy = jax.random.randint(k_y, (), 0, 2 * crop_padding + 1)
+    ox = jax.random.randint(k_x, (), 0, 2 * crop_padding + 1)
+    flip = jax.random.bernoulli(k_flip) if hflip else jnp.zeros((), bool)
+    return {"angle": angle, "oy": oy, "ox": ox, "flip": flip}
+
+
+def source_coordinates(params: dict[str, jax.Array], height: int, width: int,
+                       crop_padding: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The composed inverse map: ``(rows, cols, valid)``, each ``[H, W]``."""
+    y = jnp.arange(height)[:, None]
+    x = jnp.arange(width)[None, :]
+    xf = jnp.where(params["flip"], width - 1 - x, x)
+    u = y + params["oy"] - crop_padding
+    v = xf + params["ox"] - crop_padding
+    in_crop = (u >= 0) & (u < height) & (v >= 0) & (v < width)
+    cy, cx = (height - 1) / 2.0, (width - 1) / 2.0
+    cos, sin = jnp.cos(params["angle"]), jnp.sin(params["angle"])
+    du, dv = u - cy, v - cx
+    # Inverse rotation of the output coordinate gives the source coordinate.
+    r = jnp.round(cos * du + sin * dv + cy).astype(jnp.int32)
+    c = jnp.round(-sin * du + cos * dv + cx).astype(jnp.int32)
+    in_image = (r >= 0) & (r < height) & (c >= 0) & (c < width)
+    valid = in_crop & in_image
+    return jnp.clip(r, 0, height - 1), jnp.clip(c, 0, width - 1), valid
+
+
+def augment_image(key: jax.Array, image: jax.Array, *, max_degrees: float = 10.0,
+                  crop_padding: int = 4, hflip: bool = True) -> jax.Array:
+    """One ``uint8 [H, W, C]`` image -> augmented ``uint8 [H, W, C]`` (before normalization)."""
+    h, w = image.shape[0], image.shape[1]
+    p = augment_params(key, max_degrees=max_degrees, crop_padding=crop_padding, hflip=hflip)
+    rows, cols, valid = source_coordinates(p, h, w, crop_padding)
+    out = image[rows, cols]
+    return jnp.where(valid[..., None], out, jnp.zeros_like(out))
+
+
+def augment_batch(key: jax.Array, images: jax.Array, *, mean: Sequence[float],
+                  std: Sequence[float], max_degrees: float = 10.0, crop_padding: int = 4,
+                  hflip: bool = True) -> jax.Array:
+    """Augments and normalizes a batch; each sample gets its own key.
+
+    Args:
+      key: PRNG key for this batch.
+      images: ``uint8 [B, H, W, C]``.
+      mean, std: per-channel normalization constants in [0, 1] pixel units.
+      max_degrees: rotation range; 0 disables rotation.
+      crop_padding: zero padding of the random crop; 0 disables cropping.
+      hflip: whether to flip horizontally with probability 1/2.
+
+    Returns:
+      ``float32 [B, H, W, C]``.
+    """
+    keys = jax.random.split(key, images.shape[0])
+    out = jax.vmap(
+        lambda k, im: augment_image(k, im, max_degrees=max_degrees, crop_padding=crop_padding,
+                                    hflip=hflip)
+    )(keys, images)
+    return normalize(out, mean, std)

@@ -1,0 +1,160 @@
+"""One client's local training: a ``lax.scan`` over local steps (SPEC §3 step 4, §4).
+
+Each step gathers a batch by index from the device-resident training set, augments it in-graph,
+takes the gradient of the algorithm's local objective and applies the client optimizer. The
+function is written for one client; the round ``vmap``s it over the sampled clients, and the tests
+run it client by client to check the ``vmap``.
+
+Local epochs and uneven clients, with static shapes: client ``k`` with ``n_k`` samples runs
+``S_k = ceil(n_k / B)`` steps per epoch for ``E`` epochs. The scan has the static length
+``E * ceil(max_k n_k / B)``; a client's steps past ``E * S_k`` are masked (its parameters and
+optimizer state pass through unchanged, STYLE #4). Each epoch draws a fresh permutation of the
+client's samples; a final partial batch is filled by wrapping around to the start of that epoch's
+permutation, so every batch has exactly ``B`` samples (for the paper's 500 samples per client and
+B = 50 there is no partial batch and no padding at all).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from fedjax_rcl.algorithms.base import Batch, ClientAlgorithm, LocalContext
+from fedjax_rcl.data.augment import augment_batch
+from fedjax_rcl.data.device import ClientData
+from fedjax_rcl.types import ClientState, Metrics, Params, PRNGKey
+
+
+def client_optimizer(learning_rate: float, *, clip_norm: float | None, weight_decay: float,
+                     momentum: float) -> optax.GradientTransformation:
+    """The reference's client optimizer as an optax chain, learning rate injectable per step.
+
+    .. math::
+        g \\leftarrow \\operatorname{clip}_{\\|\\cdot\\| \\le c}(g),\\quad
+        g \\leftarrow g + \\lambda w,\\quad w \\leftarrow w - \\eta_{t,e}\\, \\mathrm{SGD}_\\mu(g)
+
+    Gradient clipping by global norm, then coupled weight decay (PyTorch SGD's ``weight_decay``
+    adds ``lambda * w`` after the reference clips), then SGD with optional momentum. The optimizer
+    state is created afresh every round, as the reference builds a new optimizer per round.
+    """
+
+    def make(learning_rate):
+        parts = []
+        if clip_norm is not None and clip_norm > 0:
+            parts.append(optax.clip_by_global_norm(clip_norm))
+        if weight_decay > 0:
+            parts.append(optax.add_decayed_weights(weight_decay))
+        parts.append(optax.sgd(learning_rate, momentum=momentum if momentum > 0 else None))
+        return optax.chain(*parts)
+
+    return optax.inject_hyperparams(make)(learning_rate=learning_rate)
+
+
+@dataclasses.dataclass(frozen=True)
+class LocalTraining:
+    """Static settings of local training (everything that shapes the compiled program).
+
+    Attributes:
+      batch_size: B.
+      local_epochs: E.
+      steps_per_epoch: ``ceil(max_k n_k / B)``, the scan's steps per epoch.
+      uniform_sizes: every client has the same size, so no step is ever masked.
+      lr_fn: ``(round, epoch) -> learning rate`` (traced integers in, scalar out).
+      mean, std: normalization constants; hflip, max_degrees, crop_padding: augmentation.
+      augment: False to only normalize (no random geometry).
+    """
+
+    batch_size: int
+    local_epochs: int
+    steps_per_epoch: int
+    uniform_sizes: bool
+    lr_fn: Callable[[jax.Array, jax.Array], jax.Array]
+    mean: tuple[float, ...]
+    std: tuple[float, ...]
+    hflip: bool = True
+    max_degrees: float = 10.0
+    crop_padding: int = 4
+    augment: bool = True
+
+    @property
+    def num_steps(self) -> int:
+        return self.local_epochs * self.steps_per_epoch
+
+
+def epoch_permutations(key: PRNGKey, size: jax.Array, max_size: int, epochs: int) -> jax.Array:
+    """``[epochs, max_size]`` positions; each row's first ``size`` entries permute ``0..size-1``."""
+
+    def one(e):
+        u = jax.random.uniform(jax.random.fold_in(key, e), (max_size,))
+        u = jnp.where(jnp.arange(max_size) < size, u, 2.0)  # padding sorts last
+        return jnp.argsort(u).astype(jnp.int32)
+
+    return jax.vmap(one)(jnp.arange(epochs))
+
+
+def make_local_update(algorithm: ClientAlgorithm, optimizer: optax.GradientTransformation,
+                      settings: LocalTraining):
+    """Builds ``local_update`` for one client.
+
+    Returns:
+      ``local_update(global_params, client_state, key, indices, size, round_index, data)
+      -> (trained_params, new_client_state, metrics)`` where ``indices`` is the client's
+      ``int32 [max_size]`` row, ``size`` its sample count, and ``metrics`` holds the mean over the
+      client's active steps of the loss and of each term the algorithm reports.
+    """
+    s = settings
+    grad_fn = jax.value_and_grad(algorithm.local_loss, has_aux=True)
+
+    def local_update(global_params: Params, client_state: ClientState, key: PRNGKey,
+                     indices: jax.Array, size: jax.Array, round_index: jax.Array,
+                     data: ClientData) -> tuple[Params, ClientState, Metrics]:
+        perm_key, step_root = jax.random.split(key)
+        max_size = indices.shape[0]
+        perms = epoch_permutations(perm_key, size, max_size, s.local_epochs)
+        client_steps = (size + s.batch_size - 1) // s.batch_size  # S_k
+        opt_state = optimizer.init(global_params)
+
+        def step(carry, t):
+            params, opt_state = carry
+            epoch, b = t // client_steps, t % client_steps
+            pos = (b * s.batch_size + jnp.arange(s.batch_size)) % size
+            idx = indices[perms[jnp.minimum(epoch, s.local_epochs - 1), pos]]
+            images, labels = data.images[idx], data.labels[idx]
+            k_aug, k_loss = jax.random.split(jax.random.fold_in(step_root, t))
+            views = [
+                augment_batch(jax.random.fold_in(k_aug, v), images, mean=s.mean, std=s.std,
+                              max_degrees=s.max_degrees if s.augment else 0.0,
+                              crop_padding=s.crop_padding if s.augment else 0,
+                              hflip=s.hflip and s.augment)
+                for v in range(algorithm.num_views)
+            ]
+            batch = Batch(jnp.concatenate(views) if len(views) > 1 else views[0], labels)
+            ctx = LocalContext(global_params, client_state, k_loss)
+            (loss, terms), grads = grad_fn(params, batch, ctx)
+            opt_state.hyperparams["learning_rate"] = s.lr_fn(round_index, epoch)
+            updates, new_opt_state = optimizer.update(grads, opt_state, params)
+            new_params = optax.apply_updates(params, updates)
+            if s.uniform_sizes:
+                active = jnp.ones((), bool)
+            else:
+                active = t < s.local_epochs * client_steps
+                keep = lambda new, old: jnp.where(active, new, old)
+                new_params = jax.tree.map(keep, new_params, params)
+                new_opt_state = jax.tree.map(keep, new_opt_state, opt_state)
+            return (new_params, new_opt_state), (loss, terms, active)
+
+        (params, _), (losses, terms, active) = jax.lax.scan(
+            step, (global_params, opt_state), jnp.arange(s.num_steps)
+        )
+        weights = active.astype(jnp.float32)
+        mean_over_steps = lambda x: jnp.sum(x * weights) / jnp.sum(weights)
+        metrics = {"loss": mean_over_steps(losses)}
+        metrics.update({k: mean_over_steps(v) for k, v in terms.items()})
+        new_state = algorithm.update_client_state(client_state, params)
+        return params, new_state, metrics
+
+    return local_update

@@ -1,0 +1,147 @@
+"""The federated round as one compiled program, and several rounds fused (SPEC §3).
+
+``run_round(state, data) -> (state, metrics)``:
+
+1. keys depend only on (seed, round, client): ``fold_in(fold_in(client_root, round), client)``,
+   so a resumed run is identical to an uninterrupted one;
+2. ``m = max(int(participation * num_clients), 1)`` clients sampled without replacement;
+3. server params broadcast (``in_axes=None``), each sampled client's state gathered;
+4. ``vmap`` over the sampled clients of the local ``scan`` (``engine/client.py``);
+5. weighted mean of client models over the client axis;
+6. server optimizer (optax) on the pseudo-gradient ``theta - mean_k theta_k``; client states
+   scattered back into the table.
+
+``run_rounds(state, data, n)`` runs ``n`` rounds in one ``fori_loop`` (``n`` is a traced value, so
+every chunk length between evaluations uses the same executable) and returns each round's
+metrics in a buffer of static length ``capacity``.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import struct
+
+from fedjax_rcl.algorithms.base import ClientAlgorithm
+from fedjax_rcl.data.device import ClientData
+from fedjax_rcl.server.aggregate import client_weights, weighted_mean
+from fedjax_rcl.types import ClientState, Metrics, Params, PRNGKey
+
+# Independent streams derived from the root key.
+_SAMPLING_STREAM, _CLIENT_STREAM, _INIT_STREAM = 0, 1, 2
+
+
+@struct.dataclass
+class ServerState:
+    """Everything the next round reads.
+
+    Attributes:
+      params: global model parameters.
+      opt_state: server optimizer state.
+      client_states: per-client state table, leaves ``[num_clients, ...]`` (``()`` if none).
+      round: ``int32 []``, index of the next round to run (0-based).
+      key: ``uint32 [2]``, the run's root PRNG key.
+    """
+
+    params: Params
+    opt_state: optax.OptState
+    client_states: ClientState
+    round: jax.Array
+    key: PRNGKey
+
+
+def init_server_state(params: Params, algorithm: ClientAlgorithm,
+                      server_opt: optax.GradientTransformation, num_clients: int,
+                      key: PRNGKey) -> ServerState:
+    """The state before round 0: every client's state built from the initial global model."""
+    one = algorithm.init_client_state(params)
+    table = jax.tree.map(lambda x: jnp.broadcast_to(x, (num_clients, *jnp.shape(x))).copy(), one)
+    return ServerState(params=params, opt_state=server_opt.init(params), client_states=table,
+                       round=jnp.zeros((), jnp.int32), key=key)
+
+
+def init_key(key: PRNGKey) -> PRNGKey:
+    """The key that initialises the global model (its own stream of the root key)."""
+    return jax.random.fold_in(key, _INIT_STREAM)
+
+
+def clients_per_round(num_clients: int, participation: float) -> int:
+    """``max(int(participation * num_clients), 1)``."""
+    return max(int(participation * num_clients), 1)
+
+
+def sample_clients(key: PRNGKey, round_index: jax.Array, num_clients: int, m: int) -> jax.Array:
+    """``int32 [m]`` distinct client ids for this round."""
+    k = jax.random.fold_in(jax.random.fold_in(key, _SAMPLING_STREAM), round_index)
+    return jax.random.choice(k, num_clients, (m,), replace=False).astype(jnp.int32)
+
+
+def client_keys(key: PRNGKey, round_index: jax.Array, clients: jax.Array) -> jax.Array:
+    """``[m, 2]`` keys ``fold_in(fold_in(client_root, round), client)``."""
+    root = jax.random.fold_in(jax.random.fold_in(key, _CLIENT_STREAM), round_index)
+    return jax.vmap(lambda c: jax.random.fold_in(root, c))(clients)
+
+
+def make_round(local_update, server_opt: optax.GradientTransformation, *, num_clients: int,
+               participation: float, aggregation: str):
+    """Builds ``run_round(state, data) -> (state, metrics)`` (pure; jit it or fuse it).
+
+    Args:
+      local_update: from ``engine.client.make_local_update``.
+      server_opt: optax transformation applied to the pseudo-gradient.
+      num_clients, participation: the population and the sampled fraction.
+      aggregation: ``size`` or ``uniform`` client weights.
+
+    Returns:
+      ``run_round``; its metrics are ``loss`` (mean over sampled clients), ``client_loss``
+      ``[m]``, ``clients`` ``[m]`` and the mean of each term the local objective reports.
+    """
+    m = clients_per_round(num_clients, participation)
+    vmapped = jax.vmap(local_update, in_axes=(None, 0, 0, 0, 0, None, None))
+
+    def run_round(state: ServerState, data: ClientData) -> tuple[ServerState, Metrics]:
+        clients = sample_clients(state.key, state.round, num_clients, m)
+        keys = client_keys(state.key, state.round, clients)
+        rows = jax.tree.map(lambda t: t[clients], state.client_states)
+        sizes = data.client_sizes[clients]
+        trained, new_rows, client_metrics = vmapped(
+            state.params, rows, keys, data.client_indices[clients], sizes, state.round, data
+        )
+        mean_params = weighted_mean(trained, client_weights(sizes, aggregation))
+        pseudo_grad = jax.tree.map(jnp.subtract, state.params, mean_params)
+        updates, opt_state = server_opt.update(pseudo_grad, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        table = jax.tree.map(lambda t, r: t.at[clients].set(r), state.client_states, new_rows)
+        metrics = {k: jnp.mean(v) for k, v in client_metrics.items()}
+        metrics["client_loss"] = client_metrics["loss"]
+        metrics["clients"] = clients
+        new_state = state.replace(params=params, opt_state=opt_state, client_states=table,
+                                  round=state.round + 1)
+        return new_state, metrics
+
+    return run_round
+
+
+def make_run_rounds(run_round, capacity: int):
+    """Fuses up to ``capacity`` rounds: ``run_rounds(state, data, n) -> (state, metrics)``.
+
+    ``metrics`` leaves are ``[capacity, ...]``; entries ``0..n-1`` hold rounds
+    ``state.round .. state.round + n - 1``, the rest are zeros.
+    """
+
+    def run_rounds(state: ServerState, data: ClientData, n: jax.Array):
+        shapes = jax.eval_shape(run_round, state, data)[1]
+        buffers = jax.tree.map(lambda s: jnp.zeros((capacity, *s.shape), s.dtype), shapes)
+
+        def body(i, carry):
+            state, buffers = carry
+            state, metrics = run_round(state, data)
+            buffers = jax.tree.map(
+                lambda b, x: jax.lax.dynamic_update_index_in_dim(b, x, i, 0), buffers, metrics
+            )
+            return state, buffers
+
+        return jax.lax.fori_loop(0, n, body, (state, buffers))
+
+    return run_rounds

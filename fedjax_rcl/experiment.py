@@ -1,0 +1,215 @@
+"""From a validated ``Config`` to a finished run: build, compile once, loop, record.
+
+``build`` assembles the pieces (data on device, partition, model, client algorithm, client and
+server optimizers, the fused-rounds program, evaluation); ``train`` runs it: the rounds between
+two evaluations are one call of one compiled executable, metrics are appended to
+``metrics.jsonl`` as each evaluation finishes, and an accuracy plot is drawn at the end.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fedjax_rcl.algorithms import ClientAlgorithm, make_algorithm
+from fedjax_rcl.config import Config, ConfigError, to_yaml
+from fedjax_rcl.data import ImageDataset, load_dataset, partition
+from fedjax_rcl.data.device import ClientData, TestData, pack_clients, pack_test
+from fedjax_rcl.engine.client import LocalTraining, client_optimizer, make_local_update
+from fedjax_rcl.engine.evaluate import make_evaluate
+from fedjax_rcl.engine.round import (
+    ServerState,
+    clients_per_round,
+    init_key,
+    init_server_state,
+    make_round,
+    make_run_rounds,
+)
+from fedjax_rcl.metrics import ema
+from fedjax_rcl.models import get_model
+from fedjax_rcl.server import server_optimizer
+
+
+class TrainingError(RuntimeError):
+    """Training cannot go on (e.g. a non-finite loss); the message names round and client."""
+
+
+@dataclasses.dataclass
+class Experiment:
+    """Everything a run needs, built from its config."""
+
+    cfg: Config
+    dataset: ImageDataset
+    parts: list[np.ndarray]
+    model: object
+    apply_fn: Callable
+    algorithm: ClientAlgorithm
+    data: ClientData
+    test: TestData
+    state: ServerState
+    run_round: Callable  # pure (state, data) -> (state, metrics)
+    run_rounds: Callable  # jitted (state, data, n) -> (state, metrics[eval_every])
+    evaluate: Callable  # jitted (params, test) -> metrics
+
+
+def make_partition(cfg: Config, labels: np.ndarray) -> list[np.ndarray]:
+    """The configured partition, with its errors reported against config fields."""
+    try:
+        return partition(labels, cfg.num_clients, method=cfg.partition, seed=cfg.seed,
+                         alpha=cfg.alpha, shards_per_client=cfg.shards_per_client,
+                         balanced=cfg.balanced)
+    except ValueError as e:
+        raise ConfigError([f"partition={cfg.partition!r} with num_clients={cfg.num_clients} on "
+                           f"{len(labels)} training samples: {e}"]) from None
+
+
+def build(cfg: Config, dataset: ImageDataset | None = None) -> Experiment:
+    """Assembles a run (nothing is compiled yet).
+
+    Args:
+      cfg: a validated config.
+      dataset: an already loaded dataset (tests reuse one); default ``load_dataset(cfg.dataset)``.
+    """
+    dataset = dataset or load_dataset(cfg.dataset, data_dir=cfg.data_dir)
+    if cfg.num_clients > len(dataset.train_labels):
+        raise ConfigError([f"num_clients={cfg.num_clients}: must be <= the "
+                           f"{len(dataset.train_labels)} training samples of {cfg.dataset}"])
+    parts = make_partition(cfg, dataset.train_labels)
+    data = pack_clients(dataset.train_images, dataset.train_labels, parts)
+    test = pack_test(dataset.test_images, dataset.test_labels, cfg.eval_batch_size)
+
+    model = get_model(cfg.model, num_classes=dataset.num_classes, conv_impl=cfg.conv_impl,
+                      norm=cfg.norm)
+
+    def apply_fn(params, images, *, train: bool):
+        return model.apply({"params": params}, images, train=train)
+
+    algorithm = make_algorithm(cfg, apply_fn)
+    root = jax.random.PRNGKey(cfg.seed)
+    dummy = jnp.zeros((1, *dataset.image_shape), jnp.float32)
+    params = model.init(init_key(root), dummy)["params"]
+
+    sizes = np.asarray([len(p) for p in parts])
+    settings = LocalTraining(
+        batch_size=cfg.batch_size,
+        local_epochs=cfg.local_epochs,
+        steps_per_epoch=math.ceil(int(sizes.max()) / cfg.batch_size),
+        uniform_sizes=bool(sizes.min() == sizes.max()),
+        lr_fn=lambda r, e: cfg.lr * jnp.power(cfg.lr_decay, (r + e).astype(jnp.float32)),
+        mean=dataset.mean,
+        std=dataset.std,
+        hflip=dataset.hflip,
+        augment=cfg.augment,
+    )
+    opt = client_optimizer(cfg.lr, clip_norm=cfg.clip_norm, weight_decay=cfg.weight_decay,
+                           momentum=cfg.momentum)
+    local_update = make_local_update(algorithm, opt, settings)
+    sopt = server_optimizer(cfg.server.optimizer, lr=cfg.server.lr)
+    run_round = make_round(local_update, sopt, num_clients=cfg.num_clients,
+                           participation=cfg.participation, aggregation=cfg.aggregation)
+    run_rounds = jax.jit(make_run_rounds(run_round, cfg.eval_every), donate_argnums=0)
+    evaluate = jax.jit(make_evaluate(apply_fn, mean=dataset.mean, std=dataset.std))
+    state = init_server_state(params, algorithm, sopt, cfg.num_clients, root)
+    return Experiment(cfg, dataset, parts, model, apply_fn, algorithm, data, test, state,
+                      run_round, run_rounds, evaluate)
+
+
+def default_run_dir(cfg: Config) -> Path:
+    name = cfg.dataset.split(":", 1)[0]
+    return Path("runs") / f"{name}-{cfg.algorithm}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def prepare_run_dir(cfg: Config) -> Path:
+    """Creates the run directory; refuses one that already holds a run."""
+    run_dir = Path(cfg.run_dir) if cfg.run_dir else default_run_dir(cfg)
+    if (run_dir / "metrics.jsonl").exists():
+        raise ConfigError([f"run_dir={str(run_dir)!r}: already holds a run (metrics.jsonl); "
+                           "choose another run_dir"])
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError([f"run_dir={str(run_dir)!r}: cannot create ({e.strerror})"]) from None
+    return run_dir
+
+
+def _check_finite(metrics: dict, first_round: int, n: int) -> None:
+    losses = np.asarray(metrics["client_loss"][:n])
+    bad = np.argwhere(~np.isfinite(losses))
+    if len(bad):
+        i, j = bad[0]
+        client = int(np.asarray(metrics["clients"])[i, j])
+        raise TrainingError(f"non-finite local loss ({losses[i, j]}) in round {first_round + i + 1}"
+                            f" at client {client}; stopping")
+
+
+def train(cfg: Config, *, dataset: ImageDataset | None = None, progress: bool = True,
+          log: Callable[[str], None] = print) -> dict:
+    """Runs ``cfg.rounds`` rounds; returns the last metrics record.
+
+    Writes to the run directory: ``config.yaml`` (resolved), ``metrics.jsonl`` (one object per
+    evaluation: ``round`` = rounds completed, ``test_accuracy``, ``test_accuracy_ema``,
+    ``test_loss``, ``train_loss`` = mean local loss over the rounds since the last evaluation,
+    each loss term, ``elapsed_s``) and ``accuracy.png``.
+    """
+    from tqdm import tqdm
+
+    from fedjax_rcl.plots import plot_metrics
+
+    run_dir = prepare_run_dir(cfg)
+    (run_dir / "config.yaml").write_text(to_yaml(cfg))
+    exp = build(cfg, dataset)
+    log(f"run_dir: {run_dir}  |  {cfg.dataset}: {len(exp.dataset.train_labels)} train / "
+        f"{len(exp.dataset.test_labels)} test, {exp.dataset.num_classes} classes  |  "
+        f"{cfg.algorithm} on {cfg.model}, {cfg.num_clients} clients, "
+        f"{clients_per_round(cfg.num_clients, cfg.participation)} "
+        f"per round  |  backend {jax.default_backend()}")
+
+    t0 = time.perf_counter()
+    n_dev = jax.device_put(np.int32(cfg.eval_every))
+    step = exp.run_rounds.lower(exp.state, exp.data, n_dev).compile()
+    evaluate = exp.evaluate.lower(exp.state.params, exp.test).compile()
+    compile_s = time.perf_counter() - t0
+    log(f"compiled in {compile_s:.1f} s")
+
+    state, record, acc_ema = exp.state, {}, None
+    done = 0
+    start = time.perf_counter()
+    bar = tqdm(total=cfg.rounds, unit="round", disable=not progress, dynamic_ncols=True)
+    with open(run_dir / "metrics.jsonl", "a") as out, jax.transfer_guard("disallow"):
+        while done < cfg.rounds:
+            n = min(cfg.eval_every - done % cfg.eval_every, cfg.rounds - done)
+            state, metrics = step(state, exp.data, jax.device_put(np.int32(n)))
+            metrics = jax.device_get(metrics)
+            _check_finite(metrics, done, n)
+            done += n
+            ev = jax.device_get(evaluate(state.params, exp.test))
+            acc = float(ev["accuracy"])
+            acc_ema = ema(acc_ema, acc, cfg.ema_decay)
+            terms = {k: float(np.mean(v[:n])) for k, v in metrics.items()
+                     if k not in ("loss", "client_loss", "clients")}
+            record = {"round": done, "test_accuracy": acc, "test_accuracy_ema": acc_ema,
+                      "test_loss": float(ev["loss"]),
+                      "train_loss": float(np.mean(metrics["loss"][:n])), **terms,
+                      "elapsed_s": round(time.perf_counter() - start, 3)}
+            out.write(json.dumps(record) + "\n")
+            out.flush()
+            bar.update(n)
+            bar.set_postfix(loss=f"{record['train_loss']:.3f}", acc=f"{acc:.3f}",
+                            ema=f"{acc_ema:.3f}")
+    bar.close()
+    elapsed = time.perf_counter() - start
+    plot_metrics(run_dir / "metrics.jsonl", run_dir / "accuracy.png",
+                 title=f"{cfg.algorithm} · {cfg.model} · {cfg.dataset}")
+    log(f"done: {cfg.rounds} rounds in {elapsed:.1f} s ({cfg.rounds / elapsed:.2f} rounds/s, "
+        f"compile {compile_s:.1f} s); test accuracy {record['test_accuracy']:.4f}, "
+        f"EMA {record['test_accuracy_ema']:.4f}; metrics in {run_dir / 'metrics.jsonl'}, "
+        f"plot {run_dir / 'accuracy.png'}")
+    return {**record, "compile_s": compile_s, "run_dir": str(run_dir)}

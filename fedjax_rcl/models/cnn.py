@@ -1,0 +1,42 @@
+"""MOON's small CNN for 32x32 images (Li et al., CVPR 2021, arXiv 2103.16257).
+
+conv5x5(C->6) -> ReLU -> maxpool2 -> conv5x5(6->16) -> ReLU -> maxpool2 -> flatten(400)
+-> dense 120 -> ReLU -> dense 84 -> ReLU -> dense(num_classes).
+Levels (pre-ReLU): the two conv outputs and the two hidden dense outputs.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+
+from fedjax_rcl.models.base import ModelOutput, spatial_mean
+from fedjax_rcl.nn.conv import torch_conv, torch_dense
+
+
+class SmallCNN(nn.Module):
+    """MOON's ``SimpleCNN`` with PyTorch-default initialisation.
+
+    Attributes:
+      num_classes: output classes.
+      conv_impl: ``"auto" | "patches" | "native"`` (see ``fedjax_rcl.nn.conv``).
+    """
+
+    num_classes: int
+    conv_impl: str = "auto"
+
+    @nn.compact
+    def __call__(self, x: jax.Array, *, train: bool = True) -> ModelOutput:
+        del train  # no train/test difference in this model
+        levels = []
+        for i, width in enumerate((6, 16)):
+            x = torch_conv(x.shape[-1], width, 5, conv_impl=self.conv_impl, name=f"conv{i + 1}")(x)
+            levels.append(x)
+            x = nn.max_pool(nn.relu(x), (2, 2), strides=(2, 2))
+        x = x.reshape(x.shape[0], -1)
+        for i, width in enumerate((120, 84)):
+            x = torch_dense(x.shape[-1], width, name=f"fc{i + 1}")(x)
+            levels.append(x)
+            x = nn.relu(x)
+        logits = torch_dense(x.shape[-1], self.num_classes, name="head")(x)
+        return ModelOutput(logits, tuple(spatial_mean(f) for f in levels), x)

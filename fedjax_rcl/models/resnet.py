@@ -1,0 +1,86 @@
+"""CIFAR ResNet-18 with GroupNorm, as FedRCL's reference ``ResNet18_base`` (SPEC §4).
+
+Stem conv3x3(3->64, stride 1, pad 1, no bias) -> GN -> [level 0] -> ReLU; four stages of two
+BasicBlocks (widths 64/128/256/512, first-block strides 1/2/2/2); each stage's last block output
+(after the residual add, before its ReLU) is a level; global average pool -> dense(classes).
+GroupNorm with 2 groups and eps 1e-5 everywhere; convolutions padded symmetrically like PyTorch.
+11,173,962 parameters for 10 classes (same count as the reference).
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+
+from fedjax_rcl.models.base import ModelOutput, spatial_mean
+from fedjax_rcl.nn.conv import torch_conv, torch_dense
+from fedjax_rcl.nn.norm import make_norm
+
+
+class BasicBlock(nn.Module):
+    """conv3x3 -> norm -> ReLU -> conv3x3 -> norm, plus (projected) shortcut; returns pre-ReLU."""
+
+    features: int
+    stride: int = 1
+    norm: str = "group"
+    conv_impl: str = "auto"
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        cin = x.shape[-1]
+        y = torch_conv(cin, self.features, 3, stride=self.stride, padding=1, use_bias=False,
+                       conv_impl=self.conv_impl, name="conv1")(x)
+        y = nn.relu(make_norm(self.norm, name="norm1")(y))
+        y = torch_conv(self.features, self.features, 3, padding=1, use_bias=False,
+                       conv_impl=self.conv_impl, name="conv2")(y)
+        y = make_norm(self.norm, name="norm2")(y)
+        if self.stride != 1 or cin != self.features:
+            x = torch_conv(cin, self.features, 1, stride=self.stride, use_bias=False,
+                           conv_impl=self.conv_impl, name="shortcut_conv")(x)
+            x = make_norm(self.norm, name="shortcut_norm")(x)
+        return x + y
+
+
+class ResNet(nn.Module):
+    """CIFAR-stem ResNet with BasicBlocks.
+
+    Attributes:
+      num_classes: output classes.
+      stage_sizes: blocks per stage, ``(2, 2, 2, 2)`` for ResNet-18, ``(3, 4, 6, 3)`` for 34.
+      widths: channels per stage.
+      norm: normalization kind (``fedjax_rcl.nn.norm.NORMS``).
+      conv_impl: ``"auto" | "patches" | "native"``.
+    """
+
+    num_classes: int
+    stage_sizes: tuple[int, ...] = (2, 2, 2, 2)
+    widths: tuple[int, ...] = (64, 128, 256, 512)
+    norm: str = "group"
+    conv_impl: str = "auto"
+
+    @nn.compact
+    def __call__(self, x: jax.Array, *, train: bool = True) -> ModelOutput:
+        del train  # GroupNorm has no train/test difference
+        x = torch_conv(x.shape[-1], self.widths[0], 3, padding=1, use_bias=False,
+                       conv_impl=self.conv_impl, name="stem_conv")(x)
+        x = make_norm(self.norm, name="stem_norm")(x)
+        levels = [x]
+        x = nn.relu(x)
+        for s, (blocks, width) in enumerate(zip(self.stage_sizes, self.widths, strict=True)):
+            for b in range(blocks):
+                stride = 2 if (s > 0 and b == 0) else 1
+                x = BasicBlock(width, stride, self.norm, self.conv_impl, name=f"stage{s + 1}_block{b + 1}")(x)
+                if b == blocks - 1:
+                    levels.append(x)
+                x = nn.relu(x)
+        embedding = x.mean(axis=(1, 2))
+        logits = torch_dense(embedding.shape[-1], self.num_classes, name="head")(embedding)
+        return ModelOutput(logits, tuple(spatial_mean(f) for f in levels), embedding)
+
+
+def resnet18(num_classes: int, **kw) -> ResNet:
+    return ResNet(num_classes, stage_sizes=(2, 2, 2, 2), **kw)
+
+
+def resnet34(num_classes: int, **kw) -> ResNet:
+    return ResNet(num_classes, stage_sizes=(3, 4, 6, 3), **kw)

@@ -1,0 +1,36 @@
+"""Aggregation of client models: a weighted mean over the client axis (SPEC §3 step 5)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+AGGREGATIONS = ("size", "uniform")
+
+
+def weighted_mean(tree, weights: jax.Array):
+    """Weighted mean over the leading (client) axis of every leaf.
+
+    .. math::
+        \\bar\\theta = \\frac{\\sum_k w_k \\theta_k}{\\sum_k w_k}
+
+    Args:
+      tree: pytree with leaves ``[clients, ...]``.
+      weights: ``[clients]``, non-negative, not all zero (padded clients weigh 0).
+
+    Returns:
+      the pytree with leaves ``[...]``.
+    """
+    w = weights.astype(jnp.float32)
+    w = w / jnp.sum(w)
+    return jax.tree.map(lambda x: jnp.tensordot(w, x, axes=(0, 0)).astype(x.dtype), tree)
+
+
+def client_weights(sizes: jax.Array, aggregation: str) -> jax.Array:
+    """``size``: weights proportional to client sample counts (FedAvg); ``uniform``: all equal
+    (the FedRCL reference). The two agree on the paper's balanced partitions."""
+    if aggregation == "size":
+        return sizes.astype(jnp.float32)
+    if aggregation == "uniform":
+        return jnp.ones(sizes.shape, jnp.float32)
+    raise ValueError(f"aggregation={aggregation!r}: allowed {AGGREGATIONS}")
