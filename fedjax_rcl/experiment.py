@@ -55,6 +55,8 @@ class Experiment:
     data: ClientData
     test: TestData
     state: ServerState
+    settings: LocalTraining
+    local_update: Callable  # pure, one client: see engine.client.make_local_update
     run_round: Callable  # pure (state, data) -> (state, metrics)
     run_rounds: Callable  # jitted (state, data, n) -> (state, metrics[eval_every])
     evaluate: Callable  # jitted (params, test) -> metrics
@@ -119,7 +121,7 @@ def build(cfg: Config, dataset: ImageDataset | None = None) -> Experiment:
     evaluate = jax.jit(make_evaluate(apply_fn, mean=dataset.mean, std=dataset.std))
     state = init_server_state(params, algorithm, sopt, cfg.num_clients, root)
     return Experiment(cfg, dataset, parts, model, apply_fn, algorithm, data, test, state,
-                      run_round, run_rounds, evaluate)
+                      settings, local_update, run_round, run_rounds, evaluate)
 
 
 def default_run_dir(cfg: Config) -> Path:

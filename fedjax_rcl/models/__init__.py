@@ -11,7 +11,8 @@ from fedjax_rcl.models.resnet import BasicBlock, ResNet, resnet18, resnet34
 MODELS = ("cnn", "resnet18", "resnet34")
 
 
-def get_model(name: str, *, num_classes: int, conv_impl: str = "auto", norm: str = "group") -> nn.Module:
+def get_model(name: str, *, num_classes: int, conv_impl: str = "auto",
+              norm: str = "group") -> nn.Module:
     """Builds a model by its config name.
 
     Args:

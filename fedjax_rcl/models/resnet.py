@@ -69,7 +69,8 @@ class ResNet(nn.Module):
         for s, (blocks, width) in enumerate(zip(self.stage_sizes, self.widths, strict=True)):
             for b in range(blocks):
                 stride = 2 if (s > 0 and b == 0) else 1
-                x = BasicBlock(width, stride, self.norm, self.conv_impl, name=f"stage{s + 1}_block{b + 1}")(x)
+                x = BasicBlock(width, stride, self.norm, self.conv_impl,
+                               name=f"stage{s + 1}_block{b + 1}")(x)
                 if b == blocks - 1:
                     levels.append(x)
                 x = nn.relu(x)

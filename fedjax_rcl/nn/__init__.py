@@ -1,0 +1,23 @@
+"""Layers: the patch convolution, PyTorch-style conv/dense factories, normalizations."""
+
+from fedjax_rcl.nn.conv import (
+    CONV_IMPLS,
+    patch_conv_general_dilated,
+    resolve_conv_impl,
+    torch_conv,
+    torch_dense,
+)
+from fedjax_rcl.nn.norm import NORMS, make_norm
+from fedjax_rcl.nn.twin_norm import TwinNorm, twin_norm
+
+__all__ = [
+    "CONV_IMPLS",
+    "NORMS",
+    "TwinNorm",
+    "make_norm",
+    "patch_conv_general_dilated",
+    "resolve_conv_impl",
+    "torch_conv",
+    "torch_dense",
+    "twin_norm",
+]

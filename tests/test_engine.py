@@ -1,0 +1,127 @@
+"""The compiled round: vmapped clients equal a per-client loop; one compile per run."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from fedjax_rcl.config import Config
+from fedjax_rcl.engine.round import client_keys, make_run_rounds, sample_clients
+from fedjax_rcl.experiment import build
+from fedjax_rcl.server import weighted_mean
+
+
+def _cfg(**kw):
+    base = dict(dataset="toy", model="cnn", num_clients=8, participation=0.5, partition="iid",
+                local_epochs=2, batch_size=16, rounds=2, eval_every=1)
+    base.update(kw)
+    return Config(**base)
+
+
+def sequential_round(exp, state):
+    """The same round, client by client: a Python loop over the jitted local update, then a
+    NumPy weighted mean and the FedAvg server step."""
+    local_update = exp.local_update
+    m = max(int(exp.cfg.participation * exp.cfg.num_clients), 1)
+    clients = np.asarray(sample_clients(state.key, state.round, exp.cfg.num_clients, m))
+    keys = client_keys(state.key, state.round, jnp.asarray(clients))
+    step = jax.jit(local_update)
+    trained, losses = [], []
+    for j, c in enumerate(clients):
+        row = jax.tree.map(lambda t, c=c: t[c], state.client_states)
+        p, _, metrics = step(state.params, row, keys[j], exp.data.client_indices[c],
+                             exp.data.client_sizes[c], state.round, exp.data)
+        trained.append(jax.tree.map(np.asarray, p))
+        losses.append(float(metrics["loss"]))
+    sizes = np.asarray(exp.data.client_sizes)[clients].astype(np.float64)
+    w = sizes / sizes.sum() if exp.cfg.aggregation == "size" else np.full(m, 1 / m)
+    mean = jax.tree.map(lambda *xs: sum(wi * x for wi, x in zip(w, xs, strict=True)), *trained)
+    return mean, clients, np.asarray(losses)
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {},  # balanced iid: every client the same size, no masked steps
+        {"partition": "dirichlet", "alpha": 0.5, "balanced": False, "num_clients": 6,
+         "aggregation": "size"},  # uneven clients: masked steps, wrap-around batches
+    ],
+    ids=["balanced", "uneven"],
+)
+def test_vmapped_round_equals_sequential_clients(toy, kw):
+    exp = build(_cfg(**kw), toy)
+    state = exp.state
+    expected_params, clients, losses = sequential_round(exp, state)
+    new_state, metrics = jax.jit(exp.run_round)(state, exp.data)
+    np.testing.assert_array_equal(np.asarray(metrics["clients"]), clients)
+    np.testing.assert_allclose(np.asarray(metrics["client_loss"]), losses, rtol=1e-5, atol=1e-6)
+    for a, b in zip(jax.tree.leaves(new_state.params), jax.tree.leaves(expected_params),
+                    strict=True):
+        np.testing.assert_allclose(np.asarray(a), b, rtol=1e-5, atol=1e-5)
+    assert int(new_state.round) == 1
+    if kw:
+        sizes = np.asarray(exp.data.client_sizes)
+        assert sizes.min() != sizes.max(), "the uneven case must really be uneven"
+
+
+def test_weighted_mean_over_client_axis():
+    """The mean reduces axis 0 only (a classic bug averages everything into one number)."""
+    rng = np.random.default_rng(0)
+    tree = {"a": rng.normal(size=(3, 4, 2)), "b": rng.normal(size=(3,))}
+    w = np.array([1.0, 2.0, 5.0])
+    got = weighted_mean(jax.tree.map(jnp.asarray, tree), jnp.asarray(w))
+    for k in tree:
+        ref = sum(w[i] * tree[k][i] for i in range(3)) / w.sum()
+        np.testing.assert_allclose(got[k], ref, rtol=1e-6)
+
+
+def test_second_round_does_not_recompile(toy):
+    exp = build(_cfg(eval_every=3, rounds=5), toy)
+    traces = []
+    fused = make_run_rounds(exp.run_round, 3)
+
+    def counted(state, data, n):
+        traces.append(1)  # runs once per trace, never per execution
+        return fused(state, data, n)
+
+    run = jax.jit(counted)
+    state = exp.state
+    for n in (3, 2, 1, 3):  # different chunk lengths share the executable
+        state, _ = run(state, exp.data, jnp.int32(n))
+    assert int(state.round) == 9
+    assert len(traces) == 1
+    assert run._cache_size() == 1
+
+
+def test_fused_rounds_equal_single_rounds(toy):
+    """Three rounds fused in one call equal three separate round calls."""
+    exp = build(_cfg(eval_every=3), toy)
+    fused, metrics = jax.jit(make_run_rounds(exp.run_round, 3))(exp.state, exp.data,
+                                                                jnp.int32(3))
+    one = jax.jit(exp.run_round)
+    state, losses = exp.state, []
+    for _ in range(3):
+        state, m = one(state, exp.data)
+        losses.append(float(m["loss"]))
+    np.testing.assert_allclose(np.asarray(metrics["loss"]), losses, rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(fused.params), jax.tree.leaves(state.params), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_sampling_depends_only_on_seed_round_client():
+    key = jax.random.PRNGKey(3)
+    a = sample_clients(key, jnp.int32(7), 100, 5)
+    assert len(set(np.asarray(a).tolist())) == 5  # without replacement
+    np.testing.assert_array_equal(a, sample_clients(key, jnp.int32(7), 100, 5))
+    assert not np.array_equal(a, sample_clients(key, jnp.int32(8), 100, 5))
+    k1 = client_keys(key, jnp.int32(7), jnp.asarray([4, 9]))
+    k2 = client_keys(key, jnp.int32(7), jnp.asarray([9]))
+    np.testing.assert_array_equal(k1[1], k2[0])  # a client's key ignores who else was sampled
+
+
+def test_learning_rate_schedule_decays_per_round_and_epoch(toy):
+    exp = build(_cfg(lr=0.1, lr_decay=0.5), toy)
+    lr = exp.settings.lr_fn
+    assert float(lr(jnp.int32(0), jnp.int32(0))) == pytest.approx(0.1)
+    assert float(lr(jnp.int32(2), jnp.int32(1))) == pytest.approx(0.1 * 0.5**3)
+

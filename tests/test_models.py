@@ -1,0 +1,89 @@
+"""Model structure: parameter counts, levels, PyTorch padding and initialisation."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+from fedjax_rcl.models import get_model
+
+
+def _init(name, classes=10, shape=(2, 32, 32, 3)):
+    model = get_model(name, num_classes=classes, conv_impl="patches")
+    x = jax.random.uniform(jax.random.PRNGKey(0), shape)
+    return model, model.init(jax.random.PRNGKey(1), x)["params"], x
+
+
+def test_resnet18_matches_reference_structure():
+    model, params, x = _init("resnet18")
+    # The reference ResNet18_base has 11,173,962 parameters for 10 classes (SPEC §4).
+    assert sum(p.size for p in jax.tree.leaves(params)) == 11_173_962
+    out = model.apply({"params": params}, x)
+    assert out.logits.shape == (2, 10)
+    # Levels: stem (after GN) and the four stages, pooled to [B, C].
+    assert [f.shape for f in out.features] == [(2, 64), (2, 64), (2, 128), (2, 256), (2, 512)]
+    assert out.embedding.shape == (2, 512)
+    # GroupNorm: 2 groups, eps 1e-5; no conv bias anywhere.
+    gn = params["stem_norm"]
+    assert set(gn) == {"scale", "bias"}
+    assert all("bias" not in v for k, v in params["stage2_block1"].items() if "conv" in k)
+
+
+def test_cnn_matches_moon_structure():
+    model, params, x = _init("cnn")
+    shapes = {k: v["kernel"].shape for k, v in params.items()}
+    assert shapes == {"conv1": (5, 5, 3, 6), "conv2": (5, 5, 6, 16), "fc1": (400, 120),
+                      "fc2": (120, 84), "head": (84, 10)}
+    out = model.apply({"params": params}, x)
+    assert [f.shape for f in out.features] == [(2, 6), (2, 16), (2, 120), (2, 84)]
+
+
+def test_levels_are_pre_relu():
+    """Pre-ReLU features can be negative; post-ReLU could not."""
+    model, params, x = _init("resnet18", shape=(4, 32, 32, 3))
+    out = model.apply({"params": params}, x)
+    # Pooled pre-ReLU GN outputs have channels with negative means.
+    assert all(float(jnp.min(f)) < 0 for f in out.features)
+
+
+def test_stride2_padding_is_symmetric_like_pytorch():
+    """The stride-2 3x3 conv of stage 2 equals lax.conv with padding (1, 1), not Flax 'SAME'."""
+    model, params, _ = _init("resnet18")
+    w = params["stage2_block1"]["conv1"]["kernel"]
+    x = jax.random.normal(jax.random.PRNGKey(5), (1, 32, 32, 64))
+    from fedjax_rcl.nn.conv import torch_conv
+
+    conv = torch_conv(64, 128, 3, stride=2, padding=1, use_bias=False, conv_impl="patches")
+    y = conv.apply({"params": {"kernel": w}}, x)
+    dn = ("NHWC", "HWIO", "NHWC")
+    sym = lax.conv_general_dilated(x, w, (2, 2), ((1, 1), (1, 1)), dimension_numbers=dn)
+    same = lax.conv_general_dilated(x, w, (2, 2), "SAME", dimension_numbers=dn)
+    np.testing.assert_allclose(y, sym, atol=1e-5)
+    assert not np.allclose(y, same, atol=1e-3)
+
+
+@pytest.mark.parametrize("name", ["cnn", "resnet18"])
+def test_pytorch_default_initialisation(name):
+    """Kernels and dense biases are U(+-1/sqrt(fan_in)); norm scale 1, bias 0."""
+    _, params, _ = _init(name)
+    flat = jax.tree_util.tree_flatten_with_path(params)[0]
+    kernels = {jax.tree_util.keystr(p[:-1]): v for p, v in flat if p[-1].key == "kernel"}
+    for path, v in flat:
+        leaf, owner = path[-1].key, jax.tree_util.keystr(path[:-1])
+        if leaf == "kernel" or (leaf == "bias" and owner in kernels):
+            k = kernels[owner]
+            bound = 1 / np.sqrt(np.prod(k.shape[:-1]))
+            assert float(jnp.max(jnp.abs(v))) <= bound + 1e-7, owner
+            if v.size > 1000:  # uniform, so it nearly reaches the bound and has mean ~0
+                assert float(jnp.max(jnp.abs(v))) > 0.95 * bound, owner
+                assert abs(float(jnp.std(v)) - bound / np.sqrt(3)) < 0.05 * bound, owner
+        elif leaf == "scale":
+            assert np.all(np.asarray(v) == 1.0)
+        elif leaf == "bias":
+            assert np.all(np.asarray(v) == 0.0)
+
+
+def test_unknown_model_is_refused():
+    with pytest.raises(ValueError, match="model='vgg'"):
+        get_model("vgg", num_classes=10)

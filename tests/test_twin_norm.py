@@ -1,0 +1,209 @@
+"""``fedjax_rcl.nn.twin_norm`` (SPEC §7) against the float64 reference of ``tests/loss_reference``.
+
+Rows i and i+K of a ``[2K, H, W, C]`` batch are the two views of sample i; each group of
+``group_size`` consecutive channels is normalised with the mean and population variance taken
+jointly over both views. Compared eagerly and under ``jax.jit`` in float64: values, and the
+gradient of ``sum(w * twin_norm(x))`` for a fixed random ``w`` against finite differences
+(``rtol=1e-6``, absolute floor ``1e-6 * max|reference gradient|``).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import pathlib
+import sys
+import zlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+
+def _load_reference():
+    path = pathlib.Path(__file__).with_name("loss_reference.py")
+    spec = importlib.util.spec_from_file_location("_fedjax_rcl_loss_reference", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+ref = _load_reference()
+
+RTOL = 1e-6
+MODES = ("eager", "jit")
+
+
+@pytest.fixture(scope="module")
+def impl():
+    """The JAX implementation, imported lazily: a missing one fails each test with a clear note."""
+    try:
+        import fedjax_rcl.nn as nn
+    except Exception as e:  # any import failure is reported the same way
+        pytest.fail(f"cannot import fedjax_rcl.nn: {e!r}", pytrace=False)
+    if not hasattr(nn, "twin_norm"):
+        pytest.fail("fedjax_rcl.nn lacks twin_norm (SPEC §7 contract)", pytrace=False)
+    return nn
+
+
+@pytest.fixture(autouse=True)
+def _float64():
+    with jax.enable_x64(True):
+        yield
+
+
+def _rng(name: str) -> np.random.Generator:
+    return np.random.default_rng(zlib.crc32(name.encode()))
+
+
+def _fn(impl, mode: str, **kw):
+    fn = functools.partial(impl.twin_norm, **kw)
+    return jax.jit(fn) if mode == "jit" else fn
+
+
+# (K, H, W, C, group_size, eps); eps None = the default 1e-5, not passed.
+CASES = {
+    "K1-2x2-C4-g2": (1, 2, 2, 4, 2, None),
+    "K2-3x3-C8-g4": (2, 3, 3, 8, 4, None),
+    "K3-2x2-C6-g3": (3, 2, 2, 6, 3, None),
+    "K2-2x3-C8-g8-one-group": (2, 2, 3, 8, 8, None),
+    "K4-1x1-C4-g1-two-values": (4, 1, 1, 4, 1, None),
+    "K2-2x2-C6-g2-eps1e-3": (2, 2, 2, 6, 2, 1e-3),
+    "K2-2x2-C4-g2-constant": (2, 2, 2, 4, 2, None),
+}
+
+
+def _case_input(name: str):
+    k, h, w, c, g, eps = CASES[name]
+    rng = _rng(name)
+    if name.endswith("constant"):
+        x = np.full((2 * k, h, w, c), 0.75)  # zero variance: output 0, gradient 1/sqrt(eps)-ish
+    else:
+        x = rng.normal(size=(2 * k, h, w, c)) * 2.0 + 0.5
+    kw = {"group_size": g} if eps is None else {"group_size": g, "eps": eps}
+    weights = rng.normal(size=x.shape)
+    return x, kw, weights
+
+
+@functools.cache
+def _reference(name: str):
+    x, kw, weights = _case_input(name)
+    value = ref.twin_norm(x, **kw)
+    grad = ref.numeric_grad(lambda v: float(np.sum(weights * ref.twin_norm(v, **kw))), x)
+    return value, grad
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("name", list(CASES))
+def test_twin_norm_matches_reference(impl, name, mode):
+    x, kw, weights = _case_input(name)
+    fn = functools.partial(impl.twin_norm, **kw)
+    value_and_grad = jax.value_and_grad(lambda v: jnp.sum(jnp.asarray(weights) * fn(v)))
+    if mode == "jit":
+        fn, value_and_grad = jax.jit(fn), jax.jit(value_and_grad)
+    out = fn(jnp.asarray(x))
+    assert out.dtype == jnp.float64 and out.shape == x.shape
+    _, grad = value_and_grad(jnp.asarray(x))
+    ref_value, ref_grad = _reference(name)
+    np.testing.assert_allclose(
+        np.asarray(out), ref_value, rtol=RTOL, atol=1e-12, err_msg=f"{name} [{mode}] value"
+    )
+    grad = np.asarray(grad)
+    assert np.all(np.isfinite(grad))
+    scale = float(np.max(np.abs(ref_grad)))
+    np.testing.assert_allclose(
+        grad,
+        ref_grad,
+        rtol=RTOL,
+        atol=max(RTOL * scale, 1e-10),
+        err_msg=f"{name} [{mode}] gradient",
+    )
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_views_share_statistics(impl, mode):
+    """Rows i and i+K together: mean 0, variance var/(var+eps) ~ 1 per group; each view alone is
+    not normalised (the second view is shifted, so per-view means are far from 0)."""
+    k, h, w, c, g, eps = 3, 3, 2, 6, 2, 1e-5
+    rng = _rng("share")
+    x = rng.normal(size=(2 * k, h, w, c))
+    x[k:] += 3.0  # second views shifted
+    outputs = (
+        np.asarray(_fn(impl, mode, group_size=g)(jnp.asarray(x))),
+        ref.twin_norm(x, group_size=g),
+    )
+    for y in outputs:
+        for i in range(k):
+            for start in range(0, c, g):
+                joint = np.concatenate(
+                    [
+                        y[i, :, :, start : start + g].ravel(),
+                        y[i + k, :, :, start : start + g].ravel(),
+                    ]
+                )
+                raw = np.concatenate(
+                    [
+                        x[i, :, :, start : start + g].ravel(),
+                        x[i + k, :, :, start : start + g].ravel(),
+                    ]
+                )
+                assert abs(joint.mean()) < 1e-12
+                np.testing.assert_allclose(joint.var(), raw.var() / (raw.var() + eps), rtol=1e-9)
+                assert abs(joint.var() - 1.0) < 1e-4
+                assert (
+                    y[i, :, :, start : start + g].mean() < -0.5
+                )  # first view below the joint mean
+                assert y[i + k, :, :, start : start + g].mean() > 0.5
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_samples_do_not_share_statistics(impl, mode):
+    """Perturbing sample j (both of its views) leaves every other sample's output unchanged."""
+    k, j = 4, 2
+    rng = _rng("independent")
+    x = rng.normal(size=(2 * k, 2, 2, 4))
+    perturbed = x.copy()
+    perturbed[j] = perturbed[j] * 5.0 + 7.0
+    perturbed[j + k] = rng.normal(size=perturbed[j + k].shape)
+    fn = _fn(impl, mode, group_size=2)
+    before = np.asarray(fn(jnp.asarray(x)))
+    after = np.asarray(fn(jnp.asarray(perturbed)))
+    others = [r for r in range(2 * k) if r not in (j, j + k)]
+    np.testing.assert_array_equal(after[others], before[others])
+    assert not np.allclose(after[[j, j + k]], before[[j, j + k]])
+    np.testing.assert_allclose(after, ref.twin_norm(perturbed, group_size=2), rtol=RTOL, atol=1e-12)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("rows", [1, 3, 5])
+def test_odd_batch_raises(impl, mode, rows):
+    x = jnp.asarray(np.ones((rows, 2, 2, 4)))
+    with pytest.raises(ValueError) as excinfo:
+        _fn(impl, mode, group_size=2)(x)
+    message = str(excinfo.value).lower()
+    assert "pair" in message and "view" in message, f"message should mention view pairs: {message}"
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize(("channels", "group_size"), [(6, 4), (8, 3), (4, 8)])
+def test_group_size_not_dividing_channels_raises(impl, mode, channels, group_size):
+    x = jnp.asarray(np.ones((4, 2, 2, channels)))
+    with pytest.raises(ValueError):
+        _fn(impl, mode, group_size=group_size)(x)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_twin_norm_vmap(impl, mode):
+    """vmap over a leading axis of independent batches equals the per-batch reference."""
+    rng = _rng("vmap")
+    xs = rng.normal(size=(3, 4, 2, 3, 6))
+    fn = jax.vmap(functools.partial(impl.twin_norm, group_size=3))
+    if mode == "jit":
+        fn = jax.jit(fn)
+    out = np.asarray(fn(jnp.asarray(xs)))
+    for n in range(xs.shape[0]):
+        np.testing.assert_allclose(
+            out[n], ref.twin_norm(xs[n], group_size=3), rtol=RTOL, atol=1e-12, err_msg=f"slice {n}"
+        )
