@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 EXIT_USAGE = 2
@@ -21,7 +22,10 @@ def _config_args(p: argparse.ArgumentParser) -> None:
 
 
 def _split_config_args(args: list[str]) -> tuple[str | None, list[str]]:
-    if args and "=" not in args[0]:
+    """The first argument is a config file if it has no ``=`` and looks like one."""
+    if args and "=" not in args[0] and (
+        args[0].endswith((".yaml", ".yml")) or os.path.isfile(args[0])
+    ):
         return args[0], args[1:]
     return None, args
 

@@ -35,6 +35,41 @@ class ServerConfig:
 
 
 @dataclass
+class FedProxConfig:
+    """``algorithm=fedprox``: proximal weight (FedRCL's tables: 0.001)."""
+
+    mu: float = 0.001
+
+
+@dataclass
+class FedRCLConfig:
+    """``algorithm=fedrcl`` and ``fedscl`` (which forces beta = 0). Reference defaults."""
+
+    temperature: float = 0.05
+    threshold: float = 0.7
+    beta: float = 1.0
+    mining: str = "hard"  # hard (authors' code) | none (paper Eq. 2 and 5)
+    levels: list[int] | None = None  # None: every level; [-1]: last layer only (ablation)
+
+
+@dataclass
+class FedCLConfig:
+    """``algorithm=fedcl``: InfoNCE between two views of each sample (ablation)."""
+
+    temperature: float = 0.05
+    levels: list[int] | None = None
+
+
+@dataclass
+class MoonConfig:
+    """``algorithm=moon`` (mu: 5 for CIFAR-10 in MOON, 1 in FedRCL's tables)."""
+
+    mu: float = 1.0
+    temperature: float = 0.5
+    projection_dim: int = 256
+
+
+@dataclass
 class Config:
     """One federated run. The flat core keys are named as in the README and SPEC.
 
@@ -45,7 +80,7 @@ class Config:
     dataset: str = "digits"  # digits | cifar10 | cifar100 | imagefolder:PATH
     data_dir: str | None = None  # TFDS data dir for cifar10/cifar100
     model: str = "cnn"  # cnn | resnet18 | resnet34
-    algorithm: str = "fedavg"
+    algorithm: str = "fedavg"  # fedavg | fedprox | fedscl | fedrcl | fedcl | moon
     num_clients: int = 20
     participation: float = 0.25  # fraction of clients sampled each round
     partition: str = "dirichlet"  # iid | dirichlet | shards
@@ -66,9 +101,13 @@ class Config:
     eval_batch_size: int = 500
     ema_decay: float = 0.9
     conv_impl: str = "auto"  # auto (patches on CPU, native on GPU/TPU) | patches | native
-    norm: str = "group"
+    norm: str = "group"  # group | batch | twin (ResNets; twin needs a two-view algorithm)
     run_dir: str | None = None  # default: runs/<dataset>-<algorithm>-<timestamp>
     server: ServerConfig = field(default_factory=ServerConfig)
+    fedprox: FedProxConfig = field(default_factory=FedProxConfig)
+    fedrcl: FedRCLConfig = field(default_factory=FedRCLConfig)
+    fedcl: FedCLConfig = field(default_factory=FedCLConfig)
+    moon: MoonConfig = field(default_factory=MoonConfig)
 
 
 def _format_key_error(err: OmegaConfBaseException) -> str:
@@ -127,6 +166,34 @@ def to_dict(cfg: Config) -> dict:
     return dataclasses.asdict(cfg)
 
 
+def _validate_sections(cfg: Config, p: list[str], num_levels: int | None) -> None:
+    """Checks every algorithm section (all of them: a YAML may set several)."""
+    positive = lambda x: isinstance(x, int | float) and math.isfinite(x) and x > 0
+    nonneg = lambda x: isinstance(x, int | float) and math.isfinite(x) and x >= 0
+    _check(p, nonneg(cfg.fedprox.mu), "fedprox.mu", cfg.fedprox.mu, "must be >= 0")
+    r = cfg.fedrcl
+    _check(p, positive(r.temperature), "fedrcl.temperature", r.temperature, "must be > 0")
+    _check(p, isinstance(r.threshold, int | float) and -1 <= r.threshold <= 1,
+           "fedrcl.threshold", r.threshold, "must be a cosine similarity in [-1, 1]")
+    _check(p, nonneg(r.beta), "fedrcl.beta", r.beta, "must be >= 0")
+    _check(p, r.mining in ("hard", "none"), "fedrcl.mining", r.mining, "allowed: hard, none")
+    _check(p, positive(cfg.fedcl.temperature), "fedcl.temperature", cfg.fedcl.temperature,
+           "must be > 0")
+    _check(p, nonneg(cfg.moon.mu), "moon.mu", cfg.moon.mu, "must be >= 0")
+    _check(p, positive(cfg.moon.temperature), "moon.temperature", cfg.moon.temperature,
+           "must be > 0")
+    _check(p, cfg.moon.projection_dim >= 1, "moon.projection_dim", cfg.moon.projection_dim,
+           "must be >= 1")
+    for name, levels in (("fedrcl.levels", r.levels), ("fedcl.levels", cfg.fedcl.levels)):
+        if levels is None or num_levels is None:
+            continue
+        ok = len(levels) > 0 and all(-num_levels <= i < num_levels for i in levels)
+        ok = ok and len({i % num_levels for i in levels}) == len(levels)
+        _check(p, ok, name, list(levels),
+               f"model={cfg.model} has {num_levels} feature levels: give distinct indices in "
+               f"[{-num_levels}, {num_levels - 1}] (null for all, [-1] for the last)")
+
+
 def _check(problems: list[str], ok: bool, name: str, value, allowed: str) -> None:
     if not ok:
         problems.append(f"{name}={value!r}: {allowed}")
@@ -141,8 +208,8 @@ def validate(cfg: Config, *, check_data: bool = True) -> None:
     """
     # Imported here: the registries live with their modules, and importing them pulls in JAX.
     from fedjax_rcl.algorithms import ALGORITHMS
-    from fedjax_rcl.data.partition import METHODS
-    from fedjax_rcl.models import MODELS
+    from fedjax_rcl.data.partitioning import METHODS
+    from fedjax_rcl.models import MODEL_LEVELS, MODELS
     from fedjax_rcl.nn.conv import CONV_IMPLS
     from fedjax_rcl.nn.norm import NORMS
     from fedjax_rcl.server import AGGREGATIONS, SERVER_OPTIMIZERS
@@ -191,6 +258,15 @@ def validate(cfg: Config, *, check_data: bool = True) -> None:
            "must be a finite number > 0")
     _check(p, cfg.run_dir is None or cfg.run_dir.strip() != "", "run_dir", cfg.run_dir,
            "must be a path or null")
+    if cfg.model == "cnn" and cfg.norm != "group":
+        p.append(f"norm={cfg.norm!r}: model=cnn has no normalization layers; use a ResNet")
+    if cfg.algorithm in ALGORITHMS and cfg.norm == "twin" and (
+        ALGORITHMS[cfg.algorithm].num_views != 2
+    ):
+        two_view = [n for n, r in ALGORITHMS.items() if r.num_views == 2]
+        p.append(f"norm='twin': needs batches of view pairs; algorithm={cfg.algorithm!r} uses "
+                 f"one view per sample (two-view algorithms: {', '.join(two_view)})")
+    _validate_sections(cfg, p, MODEL_LEVELS.get(cfg.model))
     if check_data:
         from fedjax_rcl.data import DataError, check_dataset_spec
 

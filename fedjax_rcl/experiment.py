@@ -15,11 +15,12 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fedjax_rcl.algorithms import ClientAlgorithm, make_algorithm
+from fedjax_rcl.algorithms import ClientAlgorithm, registered
 from fedjax_rcl.config import Config, ConfigError, to_yaml
 from fedjax_rcl.data import ImageDataset, load_dataset, partition
 from fedjax_rcl.data.device import ClientData, TestData, pack_clients, pack_test
@@ -34,7 +35,7 @@ from fedjax_rcl.engine.round import (
     make_run_rounds,
 )
 from fedjax_rcl.metrics import ema
-from fedjax_rcl.models import get_model
+from fedjax_rcl.models import ModelFns, get_model, model_fns
 from fedjax_rcl.server import server_optimizer
 
 
@@ -49,8 +50,7 @@ class Experiment:
     cfg: Config
     dataset: ImageDataset
     parts: list[np.ndarray]
-    model: object
-    apply_fn: Callable
+    model: ModelFns
     algorithm: ClientAlgorithm
     data: ClientData
     test: TestData
@@ -59,7 +59,7 @@ class Experiment:
     local_update: Callable  # pure, one client: see engine.client.make_local_update
     run_round: Callable  # pure (state, data) -> (state, metrics)
     run_rounds: Callable  # jitted (state, data, n) -> (state, metrics[eval_every])
-    evaluate: Callable  # jitted (params, test) -> metrics
+    evaluate: Callable  # jitted (params, model_state, test) -> metrics
 
 
 def make_partition(cfg: Config, labels: np.ndarray) -> list[np.ndarray]:
@@ -73,12 +73,15 @@ def make_partition(cfg: Config, labels: np.ndarray) -> list[np.ndarray]:
                            f"{len(labels)} training samples: {e}"]) from None
 
 
-def build(cfg: Config, dataset: ImageDataset | None = None) -> Experiment:
+def build(cfg: Config, dataset: ImageDataset | None = None, *,
+          module: nn.Module | None = None) -> Experiment:
     """Assembles a run (nothing is compiled yet).
 
     Args:
       cfg: a validated config.
       dataset: an already loaded dataset (tests reuse one); default ``load_dataset(cfg.dataset)``.
+      module: a Flax model to use instead of ``cfg.model`` (its ``__call__(x, *, train)`` must
+        return a ``ModelOutput``).
     """
     dataset = dataset or load_dataset(cfg.dataset, data_dir=cfg.data_dir)
     if cfg.num_clients > len(dataset.train_labels):
@@ -88,16 +91,14 @@ def build(cfg: Config, dataset: ImageDataset | None = None) -> Experiment:
     data = pack_clients(dataset.train_images, dataset.train_labels, parts)
     test = pack_test(dataset.test_images, dataset.test_labels, cfg.eval_batch_size)
 
-    model = get_model(cfg.model, num_classes=dataset.num_classes, conv_impl=cfg.conv_impl,
-                      norm=cfg.norm)
-
-    def apply_fn(params, images, *, train: bool):
-        return model.apply({"params": params}, images, train=train)
-
-    algorithm = make_algorithm(cfg, apply_fn)
+    entry = registered(cfg.algorithm)
+    module = module or get_model(cfg.model, num_classes=dataset.num_classes,
+                                 conv_impl=cfg.conv_impl, norm=cfg.norm,
+                                 **entry.model_kwargs(cfg))
+    model = model_fns(module)
+    algorithm = entry.make(cfg, model)
     root = jax.random.PRNGKey(cfg.seed)
-    dummy = jnp.zeros((1, *dataset.image_shape), jnp.float32)
-    params = model.init(init_key(root), dummy)["params"]
+    params, model_state = model.init(init_key(root), np.zeros((1, *dataset.image_shape)))
 
     sizes = np.asarray([len(p) for p in parts])
     settings = LocalTraining(
@@ -113,15 +114,15 @@ def build(cfg: Config, dataset: ImageDataset | None = None) -> Experiment:
     )
     opt = client_optimizer(cfg.lr, clip_norm=cfg.clip_norm, weight_decay=cfg.weight_decay,
                            momentum=cfg.momentum)
-    local_update = make_local_update(algorithm, opt, settings)
+    local_update = make_local_update(model, algorithm, opt, settings)
     sopt = server_optimizer(cfg.server.optimizer, lr=cfg.server.lr)
     run_round = make_round(local_update, sopt, num_clients=cfg.num_clients,
                            participation=cfg.participation, aggregation=cfg.aggregation)
     run_rounds = jax.jit(make_run_rounds(run_round, cfg.eval_every), donate_argnums=0)
-    evaluate = jax.jit(make_evaluate(apply_fn, mean=dataset.mean, std=dataset.std))
-    state = init_server_state(params, algorithm, sopt, cfg.num_clients, root)
-    return Experiment(cfg, dataset, parts, model, apply_fn, algorithm, data, test, state,
-                      settings, local_update, run_round, run_rounds, evaluate)
+    evaluate = jax.jit(make_evaluate(model, mean=dataset.mean, std=dataset.std))
+    state = init_server_state(params, model_state, algorithm, sopt, cfg.num_clients, root)
+    return Experiment(cfg, dataset, parts, model, algorithm, data, test, state, settings,
+                      local_update, run_round, run_rounds, evaluate)
 
 
 def default_run_dir(cfg: Config) -> Path:
@@ -129,12 +130,18 @@ def default_run_dir(cfg: Config) -> Path:
     return Path("runs") / f"{name}-{cfg.algorithm}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
-def prepare_run_dir(cfg: Config) -> Path:
-    """Creates the run directory; refuses one that already holds a run."""
+def resolve_run_dir(cfg: Config) -> Path:
+    """The run directory; refuses one that already holds a run (checked before any work)."""
     run_dir = Path(cfg.run_dir) if cfg.run_dir else default_run_dir(cfg)
     if (run_dir / "metrics.jsonl").exists():
         raise ConfigError([f"run_dir={str(run_dir)!r}: already holds a run (metrics.jsonl); "
                            "choose another run_dir"])
+    if run_dir.exists() and not run_dir.is_dir():
+        raise ConfigError([f"run_dir={str(run_dir)!r}: exists and is not a directory"])
+    return run_dir
+
+
+def create_run_dir(run_dir: Path) -> Path:
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -165,9 +172,10 @@ def train(cfg: Config, *, dataset: ImageDataset | None = None, progress: bool = 
 
     from fedjax_rcl.plots import plot_metrics
 
-    run_dir = prepare_run_dir(cfg)
+    run_dir = resolve_run_dir(cfg)
+    exp = build(cfg, dataset)  # data-dependent checks happen here, still before any compile
+    create_run_dir(run_dir)
     (run_dir / "config.yaml").write_text(to_yaml(cfg))
-    exp = build(cfg, dataset)
     log(f"run_dir: {run_dir}  |  {cfg.dataset}: {len(exp.dataset.train_labels)} train / "
         f"{len(exp.dataset.test_labels)} test, {exp.dataset.num_classes} classes  |  "
         f"{cfg.algorithm} on {cfg.model}, {cfg.num_clients} clients, "
@@ -177,7 +185,7 @@ def train(cfg: Config, *, dataset: ImageDataset | None = None, progress: bool = 
     t0 = time.perf_counter()
     n_dev = jax.device_put(np.int32(cfg.eval_every))
     step = exp.run_rounds.lower(exp.state, exp.data, n_dev).compile()
-    evaluate = exp.evaluate.lower(exp.state.params, exp.test).compile()
+    evaluate = exp.evaluate.lower(exp.state.params, exp.state.model_state, exp.test).compile()
     compile_s = time.perf_counter() - t0
     log(f"compiled in {compile_s:.1f} s")
 
@@ -192,7 +200,7 @@ def train(cfg: Config, *, dataset: ImageDataset | None = None, progress: bool = 
             metrics = jax.device_get(metrics)
             _check_finite(metrics, done, n)
             done += n
-            ev = jax.device_get(evaluate(state.params, exp.test))
+            ev = jax.device_get(evaluate(state.params, state.model_state, exp.test))
             acc = float(ev["accuracy"])
             acc_ema = ema(acc_ema, acc, cfg.ema_decay)
             terms = {k: float(np.mean(v[:n])) for k, v in metrics.items()

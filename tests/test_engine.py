@@ -4,6 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from engine_reference import sequential_round
 
 from fedjax_rcl.config import Config
 from fedjax_rcl.engine.round import client_keys, make_run_rounds, sample_clients
@@ -16,27 +17,6 @@ def _cfg(**kw):
                 local_epochs=2, batch_size=16, rounds=2, eval_every=1)
     base.update(kw)
     return Config(**base)
-
-
-def sequential_round(exp, state):
-    """The same round, client by client: a Python loop over the jitted local update, then a
-    NumPy weighted mean and the FedAvg server step."""
-    local_update = exp.local_update
-    m = max(int(exp.cfg.participation * exp.cfg.num_clients), 1)
-    clients = np.asarray(sample_clients(state.key, state.round, exp.cfg.num_clients, m))
-    keys = client_keys(state.key, state.round, jnp.asarray(clients))
-    step = jax.jit(local_update)
-    trained, losses = [], []
-    for j, c in enumerate(clients):
-        row = jax.tree.map(lambda t, c=c: t[c], state.client_states)
-        p, _, metrics = step(state.params, row, keys[j], exp.data.client_indices[c],
-                             exp.data.client_sizes[c], state.round, exp.data)
-        trained.append(jax.tree.map(np.asarray, p))
-        losses.append(float(metrics["loss"]))
-    sizes = np.asarray(exp.data.client_sizes)[clients].astype(np.float64)
-    w = sizes / sizes.sum() if exp.cfg.aggregation == "size" else np.full(m, 1 / m)
-    mean = jax.tree.map(lambda *xs: sum(wi * x for wi, x in zip(w, xs, strict=True)), *trained)
-    return mean, clients, np.asarray(losses)
 
 
 @pytest.mark.parametrize(

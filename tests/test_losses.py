@@ -3,7 +3,7 @@
 Each case is one input (features and labels, or MOON's / NT-Xent's views) and the loss calls made
 on it. For every call the value and the gradient w.r.t. the features of the JAX function, run in
 float64 (``jax.enable_x64``) eagerly and under ``jax.jit`` (labels and auxiliary inputs are traced
-arguments, hyperparameters are closed over; one compilation per case), are compared with the
+arguments, hyperparameters are closed over; one compilation per call list), are compared with the
 NumPy reference and its 5-point finite-difference gradient. Tolerances: values ``rtol=1e-6``;
 gradients ``rtol=1e-6`` with an absolute floor of ``1e-6 * max|reference gradient|`` (entries
 near zero are judged relative to the gradient's scale; the finite differences themselves are
@@ -246,6 +246,12 @@ def ml(mining, t, th, beta):
 
 
 # fmt: off
+# Cases with the same feature shape share their calls where the point of the case allows it
+# (B2_CALLS, B5_C3_CALLS, B1_CALLS, B5_C8_CALLS): the compiled runner is then reused (see _runner).
+B2_CALLS = all4(0.2, 0.0, 1.0)
+B5_C3_CALLS = all4(0.5, 0.7, 1.0)
+B1_CALLS = all4(0.5, 0.7, 1.0)
+B5_C8_CALLS = all4(0.05, 0.7, 1.0)
 CASES = [
     # --- random inputs (B 2/5/16, C 3/8, 2-D and 4-D NHWC) ------------------------------------
     scl_case("random-B16-C3-defaults", LABELS16, rand(16, 3), DEFAULTS),
@@ -254,29 +260,27 @@ CASES = [
     scl_case("random-B5-C3-beta0", LABELS5, rand(5, 3),
              (sc("hard", 1.0), sc("none", 1.0), rc("hard", 1.0, 0.3, 0.0))),
     scl_case("random-B16-C3-4d", LABELS16, rand(16, 3, (2, 2)), rcl2(0.2, -0.2, 1.0)),
-    scl_case("random-B2-C3-one-class", [1, 1], rand(2, 3), all4(0.2, -0.5, 1.0)),
+    scl_case("random-B2-C3-one-class", [1, 1], rand(2, 3), B2_CALLS),
     # --- anchors without classmates / without (two) other-class samples ------------------------
-    scl_case("no-classmate-B5", [0, 1, 2, 3, 4], rand(5, 3), all4(0.1, 0.7, 1.0)),
-    scl_case("single-class-B5", [1] * 5, rand(5, 8), all4(0.5, -0.5, 1.0)),
-    scl_case("B2-different-labels", [0, 1], rand(2, 3), all4(0.1, 0.7, 1.0)),
-    scl_case("B3-one-odd-sample", [0, 0, 1], rand(3, 8), all4(0.2, -0.5, 1.5)),
-    scl_case("B1", [3], rand(1, 8), all4(0.5, 0.7, 1.0)),
+    scl_case("no-classmate-B5", [0, 1, 2, 3, 4], rand(5, 3), B5_C3_CALLS),
+    scl_case("single-class-B5", [1] * 5, rand(5, 8), B5_C8_CALLS),
+    scl_case("B2-different-labels", [0, 1], rand(2, 3), B2_CALLS),
+    scl_case("B3-one-odd-sample", [0, 0, 1], rand(3, 8), rcl2(0.2, -0.5, 1.5)),
+    scl_case("B1", [3], rand(1, 8), B1_CALLS),
     # --- collapsed features: the hard penalty's gate is open -------------------------------------
-    scl_case("collapsed-B5", [0, 0, 1, 1, 0], collapsed(5, 8, 0.1), all4(0.05, 0.7, 1.0)),
+    scl_case("collapsed-B5", [0, 0, 1, 1, 0], collapsed(5, 8, 0.1), B5_C8_CALLS),
     scl_case("collapsed-B5-4d", [0, 0, 1, 1, 0], collapsed(5, 3, 0.1, (2, 2)),
              rcl2(0.1, 0.7, 2.0)),
-    fixed_case("identical-rows", IDENTICAL, LABELS5, all4(0.05, 0.7, 1.0), "zero"),
+    fixed_case("identical-rows", IDENTICAL, LABELS5, B5_C3_CALLS, "zero"),
     # --- zero feature vectors (s_ii = 0 for them) ----------------------------------------------
-    scl_case("zero-row-B5", [0, 1, 0, 1, 1], rand(5, 3, zero_rows=(2,)), all4(0.5, 0.3, 1.0)),
-    fixed_case("zero-row-B1", np.zeros((1, 8)), [0], all4(0.5, 0.7, 1.0), "finite"),
-    fixed_case("all-zero-B5", np.zeros((5, 3)), [0, 0, 1, 1, 2], all4(0.5, 0.7, 1.0), "finite"),
+    scl_case("zero-row-B5", [0, 1, 0, 1, 1], rand(5, 3, zero_rows=(2,)), B5_C3_CALLS),
+    fixed_case("zero-row-B1", np.zeros((1, 8)), [0], B1_CALLS, "finite"),
+    fixed_case("all-zero-B5", np.zeros((5, 3)), [0, 0, 1, 1, 2], B5_C3_CALLS, "finite"),
     # --- sitting on a gate or a tie: values, finite gradients ----------------------------------
     # s_01 = 0 exactly = threshold: the hard gate keeps m_i (>=), the paper's gate drops it (>).
-    fixed_case("gate-equality", [[1.0, 0.0, 0.0], [0.0, 1.0, 0.0]], [0, 0],
-               rcl2(0.5, 0.0, 1.0), "finite"),
+    fixed_case("gate-equality", [[1.0, 0.0, 0.0], [0.0, 1.0, 0.0]], [0, 0], B2_CALLS, "finite"),
     # Three identical other-class rows: anchors 0 and 1 have tied top-2 negatives.
-    fixed_case("tied-negatives", TIED, [0, 0, 1, 1, 1],
-               (sc("hard", 0.1), rc("hard", 0.1, 0.5, 1.0)), "finite"),
+    fixed_case("tied-negatives", TIED, [0, 0, 1, 1, 1], B5_C3_CALLS, "finite"),
     # --- multi-level ------------------------------------------------------------------------------
     multilevel_case("multilevel-B5", LABELS5, [(5, 2, 2, 3), (5, 2, 2, 8), (5, 3)],
                     (ML_DEFAULTS, ml("none", 0.1, 0.3, 0.5))),
@@ -349,19 +353,29 @@ def _assert_grad(actual, expected: np.ndarray | None, mode: str, what: str) -> N
 # Tests.
 
 
+_RUNNERS: dict = {}
+
+
+def _runner(impl, calls, n_diff: int, mode: str) -> Callable:
+    """``(*diff, *aux) -> [(value, grads) per call]``; one jitted runner per distinct call list,
+    so cases that share calls and shapes share one compilation."""
+    key = (tuple(str(c) for c in calls), n_diff, mode)
+    if key not in _RUNNERS:
+        argnums = tuple(range(n_diff))
+        vgs = [jax.value_and_grad(_bind(impl, c, n_diff), argnums=argnums) for c in calls]
+
+        def run(*args):
+            return [vg(*args) for vg in vgs]
+
+        _RUNNERS[key] = jax.jit(run) if mode == "jit" else run
+    return _RUNNERS[key]
+
+
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("name", list(CASES_BY_NAME))
 def test_loss_matches_reference(impl, name, mode):
     case = CASES_BY_NAME[name]
-    n_diff = len(case.diff)
-    argnums = tuple(range(n_diff))
-    vgs = [jax.value_and_grad(_bind(impl, c, n_diff), argnums=argnums) for c in case.calls]
-
-    def run(*args):
-        return [vg(*args) for vg in vgs]
-
-    if mode == "jit":
-        run = jax.jit(run)
+    run = _runner(impl, case.calls, len(case.diff), mode)
     results = run(*(jnp.asarray(a) for a in case.diff + case.aux))
     for call, (value, grads), (ref_value, ref_grads) in zip(
         case.calls, results, _reference(name), strict=True

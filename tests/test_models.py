@@ -25,7 +25,7 @@ def test_resnet18_matches_reference_structure():
     assert [f.shape for f in out.features] == [(2, 64), (2, 64), (2, 128), (2, 256), (2, 512)]
     assert out.embedding.shape == (2, 512)
     # GroupNorm: 2 groups, eps 1e-5; no conv bias anywhere.
-    gn = params["stem_norm"]
+    gn = params["stem_norm"]["gn"]
     assert set(gn) == {"scale", "bias"}
     assert all("bias" not in v for k, v in params["stage2_block1"].items() if "conv" in k)
 

@@ -1,4 +1,4 @@
-"""Tests for fedjax_rcl.data.partition (pure NumPy; no JAX needed)."""
+"""Tests for fedjax_rcl.data.partitioning (pure NumPy; no JAX needed)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pytest
 
-from fedjax_rcl.data import partition as P
+from fedjax_rcl.data import partitioning as P
 
 N_CLASSES = 10
 

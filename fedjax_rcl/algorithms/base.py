@@ -1,9 +1,10 @@
 """What a client algorithm is: a local objective plus, optionally, per-client state.
 
-The engine owns everything else (sampling, batching, augmentation, the client optimizer, the
-scan over local steps, aggregation), so an algorithm is a small factory of pure functions with
-its hyperparameters in the closure (STYLE #1, as fedjax's ``algorithms/fed_avg.py``). Adding an
-algorithm means adding one module and one registry entry; the engine does not change.
+The engine owns everything else — sampling, batching, augmentation, the model's forward pass in
+training mode, the client optimizer, the scan over local steps, aggregation — so an algorithm is
+a small factory of pure functions with its hyperparameters in the closure (STYLE #1, as fedjax's
+``algorithms/fed_avg.py``). Adding an algorithm means one module and one registry entry; the
+engine does not change.
 """
 
 from __future__ import annotations
@@ -14,11 +15,8 @@ from typing import NamedTuple
 
 import jax
 
-from fedjax_rcl.models.base import ModelOutput
+from fedjax_rcl.models.base import ModelOutput, ModelState
 from fedjax_rcl.types import ClientState, Metrics, Params, PRNGKey
-
-# ``apply_fn(params, images, *, train) -> ModelOutput``: the model, as the engine calls it.
-ApplyFn = Callable[..., ModelOutput]
 
 
 class Batch(NamedTuple):
@@ -35,31 +33,35 @@ class Batch(NamedTuple):
 
 
 class LocalContext(NamedTuple):
-    """What a local objective may read besides its own parameters and batch.
+    """What a local objective may read besides the model output, its parameters and batch.
 
     Attributes:
       global_params: the server model this round started from (FedProx, MOON).
+      global_model_state: the server model's non-trained state (BatchNorm statistics).
       client_state: this client's persistent state (MOON: its previous local model).
       key: PRNG key for this step (for stochastic objectives).
     """
 
     global_params: Params
+    global_model_state: ModelState
     client_state: ClientState
     key: PRNGKey
 
 
-# ``local_loss(params, batch, context) -> (loss [], metrics {name: []})``; differentiated w.r.t.
-# ``params``. The metrics dict must have the same keys at every step (they are scanned).
-LocalLoss = Callable[[Params, Batch, LocalContext], tuple[jax.Array, Metrics]]
+# ``objective(output, params, batch, context) -> (loss [], metrics {name: []})``.
+# ``output`` is the model's training-mode forward pass on ``batch.images`` with ``params``; the
+# engine differentiates the loss w.r.t. ``params`` through it. The metrics dict must have the
+# same keys at every step (they are scanned).
+Objective = Callable[[ModelOutput, Params, "Batch", LocalContext], tuple[jax.Array, Metrics]]
 
 
-def _no_state(params: Params) -> ClientState:
-    del params
+def _no_state(params: Params, model_state: ModelState) -> ClientState:
+    del params, model_state
     return ()
 
 
-def _keep_state(state: ClientState, trained_params: Params) -> ClientState:
-    del trained_params
+def _keep_state(state: ClientState, params: Params, model_state: ModelState) -> ClientState:
+    del params, model_state
     return state
 
 
@@ -69,15 +71,17 @@ class ClientAlgorithm:
 
     Attributes:
       name: registry name.
-      local_loss: the local objective (see ``LocalLoss``).
+      objective: the local objective (see ``Objective``).
       num_views: augmented views of each sample per batch (2 for view-contrastive objectives).
-      init_client_state: one client's initial state from the initial global params; the engine
-        stacks it into a ``[num_clients, ...]`` table.
-      update_client_state: ``(old_state, trained_params) -> new_state`` after local training.
+      init_client_state: ``(params, model_state) -> state``, one client's state before it has
+        ever trained, from the initial global model; the engine stacks it into a
+        ``[num_clients, ...]`` table.
+      update_client_state: ``(old_state, trained_params, trained_model_state) -> new_state`` at
+        the end of the client's local training.
     """
 
     name: str
-    local_loss: LocalLoss
+    objective: Objective
     num_views: int = 1
-    init_client_state: Callable[[Params], ClientState] = _no_state
-    update_client_state: Callable[[ClientState, Params], ClientState] = _keep_state
+    init_client_state: Callable[[Params, ModelState], ClientState] = _no_state
+    update_client_state: Callable[[ClientState, Params, ModelState], ClientState] = _keep_state

@@ -9,24 +9,29 @@ AISTATS 2017 (arXiv 1602.05629).
 
 from __future__ import annotations
 
+import jax
+import jax.numpy as jnp
 import optax
 
-from fedjax_rcl.algorithms.base import ApplyFn, Batch, ClientAlgorithm, LocalContext
-from fedjax_rcl.types import Params
+from fedjax_rcl.algorithms.base import ClientAlgorithm
 
 
-def cross_entropy(logits, labels):
-    """Mean softmax cross-entropy: ``[B, K], [B] -> []``."""
+def cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
+    """Mean softmax cross-entropy: ``[V * B, K], [B] -> []``.
+
+    With ``V`` views stacked on the batch axis the labels are tiled to match.
+    """
+    reps = logits.shape[0] // labels.shape[0]
+    labels = jnp.tile(labels, reps) if reps > 1 else labels
     return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
 
 
-def fedavg(apply_fn: ApplyFn) -> ClientAlgorithm:
+def fedavg() -> ClientAlgorithm:
     """FedAvg's local objective: cross-entropy."""
 
-    def local_loss(params: Params, batch: Batch, ctx: LocalContext):
-        del ctx
-        out = apply_fn(params, batch.images, train=True)
+    def objective(out, params, batch, ctx):
+        del params, ctx
         ce = cross_entropy(out.logits, batch.labels)
         return ce, {"ce": ce}
 
-    return ClientAlgorithm(name="fedavg", local_loss=local_loss)
+    return ClientAlgorithm(name="fedavg", objective=objective)

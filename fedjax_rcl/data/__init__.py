@@ -4,7 +4,7 @@ Importing this package stays light (NumPy only); ``augment`` and ``device`` pull
 imported from their modules.
 """
 
-from fedjax_rcl.data.partition import (
+from fedjax_rcl.data.partitioning import (
     METHODS,
     class_counts,
     heterogeneity_summary,

@@ -12,7 +12,8 @@ single gather: output pixel ``(y, x)`` reads the source pixel
     (u, v) = (y + o_y - p,\\; x_f + o_x - p),\\quad
     (r, c) = \\operatorname{round}\\big(R_{-\\theta}((u, v) - \\kappa) + \\kappa\\big)
 
-with crop offsets ``o ~ U{0..2p}``, rotation centre ``kappa = ((H-1)/2, (W-1)/2)``, and reads 0
+with crop offsets ``o ~ U{0..2p}``, a positive angle rotating counter-clockwise (as PIL and
+torchvision), rotation centre ``kappa = ((H-1)/2, (W-1)/2)``, and reads 0
 when ``(u, v)`` falls in the crop padding or ``(r, c)`` falls outside the image. This equals
 applying rotation, then padded crop, then flip one after the other (tested against that).
 """

@@ -26,7 +26,8 @@ import optax
 from fedjax_rcl.algorithms.base import Batch, ClientAlgorithm, LocalContext
 from fedjax_rcl.data.augment import augment_batch
 from fedjax_rcl.data.device import ClientData
-from fedjax_rcl.types import ClientState, Metrics, Params, PRNGKey
+from fedjax_rcl.models.base import ModelFns, ModelState
+from fedjax_rcl.types import ClientState, Params, PRNGKey
 
 
 def client_optimizer(learning_rate: float, *, clip_norm: float | None, weight_decay: float,
@@ -96,22 +97,29 @@ def epoch_permutations(key: PRNGKey, size: jax.Array, max_size: int, epochs: int
     return jax.vmap(one)(jnp.arange(epochs))
 
 
-def make_local_update(algorithm: ClientAlgorithm, optimizer: optax.GradientTransformation,
-                      settings: LocalTraining):
+def make_local_update(model: ModelFns, algorithm: ClientAlgorithm,
+                      optimizer: optax.GradientTransformation, settings: LocalTraining):
     """Builds ``local_update`` for one client.
 
     Returns:
-      ``local_update(global_params, client_state, key, indices, size, round_index, data)
-      -> (trained_params, new_client_state, metrics)`` where ``indices`` is the client's
-      ``int32 [max_size]`` row, ``size`` its sample count, and ``metrics`` holds the mean over the
-      client's active steps of the loss and of each term the algorithm reports.
+      ``local_update(global_params, global_model_state, client_state, key, indices, size,
+      round_index, data) -> (params, model_state, new_client_state, metrics)`` where
+      ``indices`` is the client's ``int32 [max_size]`` row, ``size`` its sample count, and
+      ``metrics`` holds the mean over the client's active steps of the loss and of each term
+      the objective reports.
     """
     s = settings
-    grad_fn = jax.value_and_grad(algorithm.local_loss, has_aux=True)
 
-    def local_update(global_params: Params, client_state: ClientState, key: PRNGKey,
-                     indices: jax.Array, size: jax.Array, round_index: jax.Array,
-                     data: ClientData) -> tuple[Params, ClientState, Metrics]:
+    def loss_fn(params, model_state, batch, ctx):
+        out, model_state = model.apply(params, model_state, batch.images, train=True)
+        loss, terms = algorithm.objective(out, params, batch, ctx)
+        return loss, (terms, model_state)
+
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+
+    def local_update(global_params: Params, global_model_state: ModelState,
+                     client_state: ClientState, key: PRNGKey, indices: jax.Array,
+                     size: jax.Array, round_index: jax.Array, data: ClientData):
         perm_key, step_root = jax.random.split(key)
         max_size = indices.shape[0]
         perms = epoch_permutations(perm_key, size, max_size, s.local_epochs)
@@ -119,7 +127,7 @@ def make_local_update(algorithm: ClientAlgorithm, optimizer: optax.GradientTrans
         opt_state = optimizer.init(global_params)
 
         def step(carry, t):
-            params, opt_state = carry
+            params, model_state, opt_state = carry
             epoch, b = t // client_steps, t % client_steps
             pos = (b * s.batch_size + jnp.arange(s.batch_size)) % size
             idx = indices[perms[jnp.minimum(epoch, s.local_epochs - 1), pos]]
@@ -133,28 +141,27 @@ def make_local_update(algorithm: ClientAlgorithm, optimizer: optax.GradientTrans
                 for v in range(algorithm.num_views)
             ]
             batch = Batch(jnp.concatenate(views) if len(views) > 1 else views[0], labels)
-            ctx = LocalContext(global_params, client_state, k_loss)
-            (loss, terms), grads = grad_fn(params, batch, ctx)
+            ctx = LocalContext(global_params, global_model_state, client_state, k_loss)
+            (loss, (terms, new_model_state)), grads = grad_fn(params, model_state, batch, ctx)
             opt_state.hyperparams["learning_rate"] = s.lr_fn(round_index, epoch)
             updates, new_opt_state = optimizer.update(grads, opt_state, params)
-            new_params = optax.apply_updates(params, updates)
+            new = (optax.apply_updates(params, updates), new_model_state, new_opt_state)
             if s.uniform_sizes:
                 active = jnp.ones((), bool)
             else:
                 active = t < s.local_epochs * client_steps
-                keep = lambda new, old: jnp.where(active, new, old)
-                new_params = jax.tree.map(keep, new_params, params)
-                new_opt_state = jax.tree.map(keep, new_opt_state, opt_state)
-            return (new_params, new_opt_state), (loss, terms, active)
+                new = jax.tree.map(lambda n, o: jnp.where(active, n, o), new,
+                                   (params, model_state, opt_state))
+            return new, (loss, terms, active)
 
-        (params, _), (losses, terms, active) = jax.lax.scan(
-            step, (global_params, opt_state), jnp.arange(s.num_steps)
+        (params, model_state, _), (losses, terms, active) = jax.lax.scan(
+            step, (global_params, global_model_state, opt_state), jnp.arange(s.num_steps)
         )
         weights = active.astype(jnp.float32)
         mean_over_steps = lambda x: jnp.sum(x * weights) / jnp.sum(weights)
         metrics = {"loss": mean_over_steps(losses)}
         metrics.update({k: mean_over_steps(v) for k, v in terms.items()})
-        new_state = algorithm.update_client_state(client_state, params)
-        return params, new_state, metrics
+        new_state = algorithm.update_client_state(client_state, params, model_state)
+        return params, model_state, new_state, metrics
 
     return local_update

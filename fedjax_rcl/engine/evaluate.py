@@ -10,19 +10,22 @@ import optax
 
 from fedjax_rcl.data.augment import normalize
 from fedjax_rcl.data.device import TestData
+from fedjax_rcl.models.base import ModelFns, ModelState
 from fedjax_rcl.types import Metrics, Params
 
 
-def make_evaluate(apply_fn, *, mean: Sequence[float], std: Sequence[float]):
-    """Builds ``evaluate(params, test) -> {"accuracy", "loss"}`` over every test sample.
+def make_evaluate(model: ModelFns, *, mean: Sequence[float], std: Sequence[float]):
+    """Builds ``evaluate(params, model_state, test) -> {"accuracy", "loss"}`` on every test
+    sample (the model in evaluation mode).
 
     Batches run one after another with ``lax.map`` (bounded memory); padding is masked out.
     """
 
-    def evaluate(params: Params, test: TestData) -> Metrics:
+    def evaluate(params: Params, model_state: ModelState, test: TestData) -> Metrics:
         def one(batch):
             images, labels, mask = batch
-            logits = apply_fn(params, normalize(images, mean, std), train=False).logits
+            out, _ = model.apply(params, model_state, normalize(images, mean, std), train=False)
+            logits = out.logits
             correct = (jnp.argmax(logits, -1) == labels) & mask
             ce = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
             return jnp.sum(correct), jnp.sum(jnp.where(mask, ce, 0.0))

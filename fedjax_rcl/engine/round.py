@@ -7,7 +7,8 @@
 2. ``m = max(int(participation * num_clients), 1)`` clients sampled without replacement;
 3. server params broadcast (``in_axes=None``), each sampled client's state gathered;
 4. ``vmap`` over the sampled clients of the local ``scan`` (``engine/client.py``);
-5. weighted mean of client models over the client axis;
+5. weighted mean of client models (and of their BatchNorm statistics, if any) over the client
+   axis;
 6. server optimizer (optax) on the pseudo-gradient ``theta - mean_k theta_k``; client states
    scattered back into the table.
 
@@ -25,6 +26,7 @@ from flax import struct
 
 from fedjax_rcl.algorithms.base import ClientAlgorithm
 from fedjax_rcl.data.device import ClientData
+from fedjax_rcl.models.base import ModelState
 from fedjax_rcl.server.aggregate import client_weights, weighted_mean
 from fedjax_rcl.types import ClientState, Metrics, Params, PRNGKey
 
@@ -38,6 +40,7 @@ class ServerState:
 
     Attributes:
       params: global model parameters.
+      model_state: global non-trained model variables (BatchNorm statistics; ``{}`` if none).
       opt_state: server optimizer state.
       client_states: per-client state table, leaves ``[num_clients, ...]`` (``()`` if none).
       round: ``int32 []``, index of the next round to run (0-based).
@@ -45,20 +48,21 @@ class ServerState:
     """
 
     params: Params
+    model_state: ModelState
     opt_state: optax.OptState
     client_states: ClientState
     round: jax.Array
     key: PRNGKey
 
 
-def init_server_state(params: Params, algorithm: ClientAlgorithm,
+def init_server_state(params: Params, model_state: ModelState, algorithm: ClientAlgorithm,
                       server_opt: optax.GradientTransformation, num_clients: int,
                       key: PRNGKey) -> ServerState:
     """The state before round 0: every client's state built from the initial global model."""
-    one = algorithm.init_client_state(params)
+    one = algorithm.init_client_state(params, model_state)
     table = jax.tree.map(lambda x: jnp.broadcast_to(x, (num_clients, *jnp.shape(x))).copy(), one)
-    return ServerState(params=params, opt_state=server_opt.init(params), client_states=table,
-                       round=jnp.zeros((), jnp.int32), key=key)
+    return ServerState(params=params, model_state=model_state, opt_state=server_opt.init(params),
+                       client_states=table, round=jnp.zeros((), jnp.int32), key=key)
 
 
 def init_key(key: PRNGKey) -> PRNGKey:
@@ -98,17 +102,19 @@ def make_round(local_update, server_opt: optax.GradientTransformation, *, num_cl
       ``[m]``, ``clients`` ``[m]`` and the mean of each term the local objective reports.
     """
     m = clients_per_round(num_clients, participation)
-    vmapped = jax.vmap(local_update, in_axes=(None, 0, 0, 0, 0, None, None))
+    vmapped = jax.vmap(local_update, in_axes=(None, None, 0, 0, 0, 0, None, None))
 
     def run_round(state: ServerState, data: ClientData) -> tuple[ServerState, Metrics]:
         clients = sample_clients(state.key, state.round, num_clients, m)
         keys = client_keys(state.key, state.round, clients)
         rows = jax.tree.map(lambda t: t[clients], state.client_states)
         sizes = data.client_sizes[clients]
-        trained, new_rows, client_metrics = vmapped(
-            state.params, rows, keys, data.client_indices[clients], sizes, state.round, data
+        trained, trained_ms, new_rows, client_metrics = vmapped(
+            state.params, state.model_state, rows, keys, data.client_indices[clients], sizes,
+            state.round, data
         )
-        mean_params = weighted_mean(trained, client_weights(sizes, aggregation))
+        weights = client_weights(sizes, aggregation)
+        mean_params = weighted_mean(trained, weights)
         pseudo_grad = jax.tree.map(jnp.subtract, state.params, mean_params)
         updates, opt_state = server_opt.update(pseudo_grad, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
@@ -116,7 +122,8 @@ def make_round(local_update, server_opt: optax.GradientTransformation, *, num_cl
         metrics = {k: jnp.mean(v) for k, v in client_metrics.items()}
         metrics["client_loss"] = client_metrics["loss"]
         metrics["clients"] = clients
-        new_state = state.replace(params=params, opt_state=opt_state, client_states=table,
+        new_state = state.replace(params=params, model_state=weighted_mean(trained_ms, weights),
+                                  opt_state=opt_state, client_states=table,
                                   round=state.round + 1)
         return new_state, metrics
 

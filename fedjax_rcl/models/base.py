@@ -1,28 +1,86 @@
-"""What every model returns, so that algorithms can use any level of the network."""
+"""What every model returns, and the functional pair (init, apply) the engine uses."""
 
 from __future__ import annotations
 
-from typing import NamedTuple
+import dataclasses
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
+import flax.linen as nn
 import jax
+import jax.numpy as jnp
+
+from fedjax_rcl.nn.conv import torch_dense
+
+ModelState = Any  # non-trained variables (BatchNorm statistics); ``{}`` for most models
 
 
 class ModelOutput(NamedTuple):
-    """Output of a model's ``apply``.
+    """Output of a model.
 
     Attributes:
       logits: ``[B, num_classes]``.
       features: the multi-level features, each pre-ReLU and spatially mean-pooled to ``[B, C_l]``,
         from the earliest level to the last (FedRCL's levels, SPEC §5). Logits are not a level.
       embedding: ``[B, D]``, the representation the classifier reads (after the last ReLU and the
-        global pool); MOON's projection head takes it.
+        global pool).
+      projection: ``[B, P]`` from the projection head (MOON), or None when the model has none.
     """
 
     logits: jax.Array
     features: tuple[jax.Array, ...]
     embedding: jax.Array
+    projection: jax.Array | None = None
 
 
 def spatial_mean(x: jax.Array) -> jax.Array:
     """``[B, H, W, C] -> [B, C]``; ``[B, C]`` passes through."""
     return x.mean(axis=(1, 2)) if x.ndim == 4 else x
+
+
+class ProjectionHead(nn.Module):
+    """MOON's 2-layer MLP projection head: dense(D) -> ReLU -> dense(out)."""
+
+    features: int = 256
+
+    @nn.compact
+    def __call__(self, h: jax.Array) -> jax.Array:
+        d = h.shape[-1]
+        h = nn.relu(torch_dense(d, d, name="proj1")(h))
+        return torch_dense(d, self.features, name="proj2")(h)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelFns:
+    """A Flax module as two pure functions over explicit variables.
+
+    Attributes:
+      init: ``(key, sample_images) -> (params, model_state)``.
+      apply: ``(params, model_state, images, *, train) -> (ModelOutput, new_model_state)``;
+        ``new_model_state`` is the input state unless ``train`` updates BatchNorm statistics.
+      module: the underlying Flax module.
+    """
+
+    init: Callable[..., tuple[Any, ModelState]]
+    apply: Callable[..., tuple[ModelOutput, ModelState]]
+    module: nn.Module
+
+
+def model_fns(module: nn.Module) -> ModelFns:
+    """Wraps a module whose ``__call__(x, *, train)`` returns a ``ModelOutput``."""
+
+    def init(key, sample):
+        variables = module.init(key, jnp.asarray(sample, jnp.float32), train=False)
+        variables = dict(variables)
+        params = variables.pop("params")
+        return params, variables
+
+    def apply(params, model_state, images, *, train: bool):
+        variables = {"params": params, **model_state}
+        if train and model_state:
+            out, updates = module.apply(variables, images, train=True,
+                                        mutable=list(model_state))
+            return out, {**model_state, **updates}
+        return module.apply(variables, images, train=train), model_state
+
+    return ModelFns(init=init, apply=apply, module=module)

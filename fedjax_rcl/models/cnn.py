@@ -10,7 +10,7 @@ from __future__ import annotations
 import flax.linen as nn
 import jax
 
-from fedjax_rcl.models.base import ModelOutput, spatial_mean
+from fedjax_rcl.models.base import ModelOutput, ProjectionHead, spatial_mean
 from fedjax_rcl.nn.conv import torch_conv, torch_dense
 
 
@@ -20,10 +20,12 @@ class SmallCNN(nn.Module):
     Attributes:
       num_classes: output classes.
       conv_impl: ``"auto" | "patches" | "native"`` (see ``fedjax_rcl.nn.conv``).
+      projection_dim: output size of a MOON projection head on the embedding; None: no head.
     """
 
     num_classes: int
     conv_impl: str = "auto"
+    projection_dim: int | None = None
 
     @nn.compact
     def __call__(self, x: jax.Array, *, train: bool = True) -> ModelOutput:
@@ -39,4 +41,7 @@ class SmallCNN(nn.Module):
             levels.append(x)
             x = nn.relu(x)
         logits = torch_dense(x.shape[-1], self.num_classes, name="head")(x)
-        return ModelOutput(logits, tuple(spatial_mean(f) for f in levels), x)
+        z = None
+        if self.projection_dim:
+            z = ProjectionHead(self.projection_dim, name="projection")(x)
+        return ModelOutput(logits, tuple(spatial_mean(f) for f in levels), x, z)

@@ -3,7 +3,8 @@
 Stem conv3x3(3->64, stride 1, pad 1, no bias) -> GN -> [level 0] -> ReLU; four stages of two
 BasicBlocks (widths 64/128/256/512, first-block strides 1/2/2/2); each stage's last block output
 (after the residual add, before its ReLU) is a level; global average pool -> dense(classes).
-GroupNorm with 2 groups and eps 1e-5 everywhere; convolutions padded symmetrically like PyTorch.
+GroupNorm with 2 groups and eps 1e-5 everywhere (``norm`` may choose BatchNorm or TwinNorm);
+convolutions padded symmetrically like PyTorch.
 11,173,962 parameters for 10 classes (same count as the reference).
 """
 
@@ -12,9 +13,9 @@ from __future__ import annotations
 import flax.linen as nn
 import jax
 
-from fedjax_rcl.models.base import ModelOutput, spatial_mean
+from fedjax_rcl.models.base import ModelOutput, ProjectionHead, spatial_mean
 from fedjax_rcl.nn.conv import torch_conv, torch_dense
-from fedjax_rcl.nn.norm import make_norm
+from fedjax_rcl.nn.norm import Norm
 
 
 class BasicBlock(nn.Module):
@@ -26,18 +27,18 @@ class BasicBlock(nn.Module):
     conv_impl: str = "auto"
 
     @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, *, train: bool) -> jax.Array:
         cin = x.shape[-1]
         y = torch_conv(cin, self.features, 3, stride=self.stride, padding=1, use_bias=False,
                        conv_impl=self.conv_impl, name="conv1")(x)
-        y = nn.relu(make_norm(self.norm, name="norm1")(y))
+        y = nn.relu(Norm(self.norm, name="norm1")(y, train=train))
         y = torch_conv(self.features, self.features, 3, padding=1, use_bias=False,
                        conv_impl=self.conv_impl, name="conv2")(y)
-        y = make_norm(self.norm, name="norm2")(y)
+        y = Norm(self.norm, name="norm2")(y, train=train)
         if self.stride != 1 or cin != self.features:
             x = torch_conv(cin, self.features, 1, stride=self.stride, use_bias=False,
                            conv_impl=self.conv_impl, name="shortcut_conv")(x)
-            x = make_norm(self.norm, name="shortcut_norm")(x)
+            x = Norm(self.norm, name="shortcut_norm")(x, train=train)
         return x + y
 
 
@@ -50,6 +51,7 @@ class ResNet(nn.Module):
       widths: channels per stage.
       norm: normalization kind (``fedjax_rcl.nn.norm.NORMS``).
       conv_impl: ``"auto" | "patches" | "native"``.
+      projection_dim: output size of a MOON projection head on the embedding; None: no head.
     """
 
     num_classes: int
@@ -57,26 +59,28 @@ class ResNet(nn.Module):
     widths: tuple[int, ...] = (64, 128, 256, 512)
     norm: str = "group"
     conv_impl: str = "auto"
+    projection_dim: int | None = None
 
     @nn.compact
     def __call__(self, x: jax.Array, *, train: bool = True) -> ModelOutput:
-        del train  # GroupNorm has no train/test difference
         x = torch_conv(x.shape[-1], self.widths[0], 3, padding=1, use_bias=False,
                        conv_impl=self.conv_impl, name="stem_conv")(x)
-        x = make_norm(self.norm, name="stem_norm")(x)
+        x = Norm(self.norm, name="stem_norm")(x, train=train)
         levels = [x]
         x = nn.relu(x)
         for s, (blocks, width) in enumerate(zip(self.stage_sizes, self.widths, strict=True)):
             for b in range(blocks):
                 stride = 2 if (s > 0 and b == 0) else 1
                 x = BasicBlock(width, stride, self.norm, self.conv_impl,
-                               name=f"stage{s + 1}_block{b + 1}")(x)
+                               name=f"stage{s + 1}_block{b + 1}")(x, train=train)
                 if b == blocks - 1:
                     levels.append(x)
                 x = nn.relu(x)
         embedding = x.mean(axis=(1, 2))
         logits = torch_dense(embedding.shape[-1], self.num_classes, name="head")(embedding)
-        return ModelOutput(logits, tuple(spatial_mean(f) for f in levels), embedding)
+        z = (ProjectionHead(self.projection_dim, name="projection")(embedding)
+             if self.projection_dim else None)
+        return ModelOutput(logits, tuple(spatial_mean(f) for f in levels), embedding, z)
 
 
 def resnet18(num_classes: int, **kw) -> ResNet:

@@ -7,14 +7,14 @@ from fedjax_rcl.nn.conv import (
     torch_conv,
     torch_dense,
 )
-from fedjax_rcl.nn.norm import NORMS, make_norm
+from fedjax_rcl.nn.norm import NORMS, Norm
 from fedjax_rcl.nn.twin_norm import TwinNorm, twin_norm
 
 __all__ = [
     "CONV_IMPLS",
     "NORMS",
     "TwinNorm",
-    "make_norm",
+    "Norm",
     "patch_conv_general_dilated",
     "resolve_conv_impl",
     "torch_conv",

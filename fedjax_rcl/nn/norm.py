@@ -1,26 +1,42 @@
-"""Normalization layers selectable by name (``norm=`` in the model config).
+"""Normalization layers selectable by name (``norm=`` in the config).
 
-``group``: GroupNorm with PyTorch's epsilon 1e-5 (Flax's default is 1e-6) and a two-pass
-variance, as in the FedRCL reference (``nn.GroupNorm(2, C)`` everywhere in its ResNet).
+- ``group``: GroupNorm, 2 groups, PyTorch's epsilon 1e-5 (Flax's default is 1e-6), two-pass
+  variance — the FedRCL reference's ``nn.GroupNorm(2, C)``.
+- ``batch``: BatchNorm with running statistics (PyTorch's momentum 0.1, i.e. Flax's 0.9); the
+  statistics are model state that clients update locally and the server averages.
+- ``twin``: Twin Normalization (MFCL): GroupNorm whose statistics span both augmented views of a
+  sample; needs batches of view pairs in training, and takes each image alone in evaluation.
 """
 
 from __future__ import annotations
 
 import flax.linen as nn
+import jax
 
-NORMS = ("group",)
+from fedjax_rcl.nn.twin_norm import TwinNorm
+
+NORMS = ("group", "batch", "twin")
 
 
-def make_norm(kind: str, *, num_groups: int = 2, name: str | None = None) -> nn.Module:
-    """Returns a fresh normalization module of the given kind.
+class Norm(nn.Module):
+    """One normalization layer of the kind named by ``kind``.
 
-    Args:
+    Attributes:
       kind: one of ``NORMS``.
-      num_groups: groups for ``group``.
-      name: Flax submodule name.
+      num_groups: groups for ``group`` and ``twin``.
     """
-    if kind == "group":
-        return nn.GroupNorm(
-            num_groups=num_groups, epsilon=1e-5, use_fast_variance=False, name=name
-        )
-    raise ValueError(f"norm={kind!r}: allowed {NORMS}")
+
+    kind: str = "group"
+    num_groups: int = 2
+
+    @nn.compact
+    def __call__(self, x: jax.Array, *, train: bool) -> jax.Array:
+        if self.kind == "group":
+            return nn.GroupNorm(num_groups=self.num_groups, epsilon=1e-5,
+                                use_fast_variance=False, name="gn")(x)
+        if self.kind == "batch":
+            return nn.BatchNorm(use_running_average=not train, momentum=0.9, epsilon=1e-5,
+                                use_fast_variance=False, name="bn")(x)
+        if self.kind == "twin":
+            return TwinNorm(num_groups=self.num_groups, epsilon=1e-5, name="tn")(x, paired=train)
+        raise ValueError(f"norm={self.kind!r}: allowed {NORMS}")

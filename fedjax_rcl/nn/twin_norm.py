@@ -18,8 +18,12 @@ def _check_group_size(group_size: Any) -> None:
         raise ValueError(f"group_size must be a positive int, got {group_size!r}.")
 
 
-def _standardize(x: Array, group_size: int, eps: float) -> Array:
-    """Twin-normalises ``x`` and returns it in the compute dtype (at least float32)."""
+def _standardize(x: Array, group_size: int, eps: float, paired: bool = True) -> Array:
+    """Twin-normalises ``x`` and returns it in the compute dtype (at least float32).
+
+    With ``paired=False`` every row is its own sample (statistics over one view: GroupNorm),
+    which is what a twin pair of identical views would give; evaluation uses it.
+    """
     x = jnp.asarray(x)
     _check_group_size(group_size)
     if x.ndim < 2:
@@ -27,7 +31,8 @@ def _standardize(x: Array, group_size: int, eps: float) -> Array:
             f"twin_norm expects x of shape [2K, ..., C] (e.g. [2K, H, W, C]), got {x.shape}."
         )
     rows, channels = x.shape[0], x.shape[-1]
-    if rows % 2:
+    views = 2 if paired else 1
+    if paired and rows % 2:
         raise ValueError(
             f"twin_norm needs view pairs: the batch axis must hold 2K rows, row i and row i+K "
             f"being two views of one sample, got {rows} rows in x of shape {x.shape}. Stack the "
@@ -42,7 +47,7 @@ def _standardize(x: Array, group_size: int, eps: float) -> Array:
     compute_dtype = jnp.promote_types(x.dtype, jnp.float32)
     # [2K, *S, C] -> [view, sample, *S, group, within-group].
     grouped = x.astype(compute_dtype).reshape(
-        2, rows // 2, *x.shape[1:-1], channels // group_size, group_size
+        views, rows // views, *x.shape[1:-1], channels // group_size, group_size
     )
     axes = (0, *range(2, grouped.ndim - 2), grouped.ndim - 1)
     mean = jnp.mean(grouped, axis=axes, keepdims=True)
@@ -138,8 +143,12 @@ class TwinNorm(nn.Module):
         super().__post_init__()
 
     @nn.compact
-    def __call__(self, x: Array) -> Array:
-        """Applies TN. ``[2K, ..., C] -> [2K, ..., C]``."""
+    def __call__(self, x: Array, *, paired: bool = True) -> Array:
+        """Applies TN. ``[2K, ..., C] -> [2K, ..., C]``.
+
+        ``paired=False`` (evaluation on single images) takes each row's statistics alone, which
+        equals TN on the pair ``(x_i, x_i)``.
+        """
         x = jnp.asarray(x)
         channels = x.shape[-1]
         group_size = self.group_size
@@ -150,7 +159,7 @@ class TwinNorm(nn.Module):
                     f"C={channels} (x of shape {x.shape})."
                 )
             group_size = channels // self.num_groups
-        y = _standardize(x, group_size, self.epsilon)
+        y = _standardize(x, group_size, self.epsilon, paired)
         if self.use_scale:
             y = y * self.param("scale", self.scale_init, (channels,), self.param_dtype)
         if self.use_bias:

@@ -1,0 +1,38 @@
+"""FedCL (FedRCL's ablation, paper Table 3): cross-entropy plus InfoNCE between two augmented
+views of each sample, on every feature level.
+
+.. math::
+    \\ell(w) = \\ell_{CE}(w) + \\frac{1}{L} \\sum_{l=1}^{L}
+      \\mathcal L_{NT\\text{-}Xent}(f^{(l)}_w(x'), f^{(l)}_w(x''))
+
+The sample's second view is its only positive; every other view in the batch is a negative
+(SimCLR, arXiv 2002.05709). Cross-entropy is taken on both views.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax.numpy as jnp
+
+from fedjax_rcl.algorithms.base import ClientAlgorithm
+from fedjax_rcl.algorithms.fedavg import cross_entropy
+from fedjax_rcl.algorithms.fedrcl import select_levels
+from fedjax_rcl.losses import nt_xent_loss
+
+
+def fedcl(*, temperature: float = 0.05, levels: Sequence[int] | None = None) -> ClientAlgorithm:
+    """FedCL's local objective on two views per sample."""
+    levels = None if levels is None else tuple(levels)
+
+    def objective(out, params, batch, ctx):
+        del params, ctx
+        b = batch.labels.shape[0]
+        ce = cross_entropy(out.logits, batch.labels)
+        cl = jnp.mean(jnp.stack([
+            nt_xent_loss(f[:b], f[b:], temperature=temperature)
+            for f in select_levels(out.features, levels)
+        ]))
+        return ce + cl, {"ce": ce, "nt_xent": cl}
+
+    return ClientAlgorithm(name="fedcl", objective=objective, num_views=2)

@@ -1,0 +1,36 @@
+"""FedProx's client: cross-entropy plus a proximal term to the round's global model.
+
+Li et al., "Federated Optimization in Heterogeneous Networks", MLSys 2020 (arXiv 1812.06127).
+
+.. math::
+    \\ell(w) = \\ell_{CE}(w) + \\frac{\\mu}{2} \\lVert w - w_g \\rVert_2^2
+
+FedRCL's tables use mu = 0.001 (paper App. E).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from fedjax_rcl.algorithms.base import ClientAlgorithm
+from fedjax_rcl.algorithms.fedavg import cross_entropy
+
+
+def squared_distance(a, b) -> jax.Array:
+    """``sum ||a - b||^2`` over every leaf of two pytrees of the same structure."""
+    leaves = jax.tree.leaves(jax.tree.map(lambda x, y: jnp.sum(jnp.square(x - y)), a, b))
+    return sum(leaves, jnp.zeros(()))
+
+
+def fedprox(*, mu: float = 0.001) -> ClientAlgorithm:
+    """FedProx's local objective with proximal weight ``mu``."""
+    if not mu >= 0:
+        raise ValueError(f"fedprox.mu={mu!r}: must be >= 0")
+
+    def objective(out, params, batch, ctx):
+        ce = cross_entropy(out.logits, batch.labels)
+        prox = squared_distance(params, ctx.global_params)
+        return ce + 0.5 * mu * prox, {"ce": ce, "prox": prox}
+
+    return ClientAlgorithm(name="fedprox", objective=objective)

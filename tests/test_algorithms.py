@@ -1,0 +1,134 @@
+"""Client algorithms through the engine: every objective runs, MOON's state table, FedRCL's
+objective decreases, BatchNorm/TwinNorm statistics travel with the model."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from engine_reference import sequential_local_updates, sequential_round
+
+from fedjax_rcl.algorithms import ALGORITHMS, Batch, LocalContext, fedprox, fedrcl
+from fedjax_rcl.config import Config
+from fedjax_rcl.experiment import build
+from fedjax_rcl.models import ResNet, get_model, model_fns
+
+
+def _cfg(**kw):
+    base = dict(dataset="toy", model="cnn", num_clients=6, participation=0.5, partition="iid",
+                local_epochs=1, batch_size=16, rounds=2)
+    base.update(kw)
+    return Config(**base)
+
+
+@pytest.mark.parametrize("name", sorted(ALGORITHMS))
+def test_every_algorithm_runs_a_round_and_matches_sequential(toy, name):
+    exp = build(_cfg(algorithm=name), toy)
+    mean, clients, losses = sequential_round(exp, exp.state)
+    state, metrics = jax.jit(exp.run_round)(exp.state, exp.data)
+    np.testing.assert_array_equal(metrics["clients"], clients)
+    np.testing.assert_allclose(metrics["client_loss"], losses, rtol=1e-5, atol=1e-6)
+    for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(mean), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+    assert np.isfinite(float(metrics["loss"]))
+
+
+def test_moon_state_table_holds_exactly_the_sampled_clients_models(toy):
+    exp = build(_cfg(algorithm="moon", num_clients=8, participation=0.25), toy)
+    before = exp.state
+    clients, results = sequential_local_updates(exp, before)
+    after, _ = jax.jit(exp.run_round)(before, exp.data)
+    prev_params, _ = after.client_states
+    init_params, _ = before.client_states
+    sampled = set(clients.tolist())
+    for c in range(exp.cfg.num_clients):
+        row = jax.tree.map(lambda t, c=c: np.asarray(t[c]), prev_params)
+        if c in sampled:
+            trained = results[clients.tolist().index(c)][0]
+            for a, b in zip(jax.tree.leaves(row), jax.tree.leaves(trained), strict=True):
+                np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+            assert not np.allclose(jax.tree.leaves(row)[0],
+                                   np.asarray(jax.tree.leaves(init_params)[0][c]))
+        else:  # untouched: still the initial global model
+            for a, b in zip(jax.tree.leaves(row), jax.tree.leaves(exp.state.params),
+                            strict=True):
+                np.testing.assert_array_equal(a, np.asarray(b))
+
+
+def test_moon_uses_previous_model_as_negative(toy):
+    """Round 0: global == previous model, so the MOON term is exactly log 2."""
+    exp = build(_cfg(algorithm="moon", local_epochs=1), toy)
+    _, results = sequential_local_updates(exp, exp.state)
+    # The mean over steps starts at log 2 and can only move once the local model changes.
+    assert all(float(r[3]["moon"]) <= np.log(2) + 1e-4 for r in results)
+
+
+def _fixed_batch(toy, n=32):
+    x = (toy.train_images[:n].astype(np.float32) / 255 - 0.4) / 0.3
+    return Batch(jnp.asarray(x), jnp.asarray(toy.train_labels[:n]))
+
+
+def _descend(algorithm, module, batch, steps=15, lr=0.05):
+    model = model_fns(module)
+    params, ms = model.init(jax.random.PRNGKey(0), batch.images[:1])
+    ctx = LocalContext(params, ms, (), jax.random.PRNGKey(1))
+
+    def loss(p):
+        out, _ = model.apply(p, ms, batch.images, train=True)
+        return algorithm.objective(out, p, batch, ctx)
+
+    grad = jax.jit(jax.value_and_grad(loss, has_aux=True))
+    opt = optax.sgd(lr)
+    opt_state, history = opt.init(params), []
+    for _ in range(steps):
+        (value, terms), g = grad(params)
+        history.append((float(value), {k: float(v) for k, v in terms.items()}))
+        updates, opt_state = opt.update(g, opt_state)
+        params = optax.apply_updates(params, updates)
+    return history
+
+
+def test_fedrcl_local_loss_decreases_on_a_fixed_batch(toy):
+    history = _descend(fedrcl(), get_model("cnn", num_classes=4, conv_impl="patches"),
+                       _fixed_batch(toy))
+    values = [v for v, _ in history]
+    assert values[-1] < 0.8 * values[0]
+    assert history[-1][1]["scl"] < history[0][1]["scl"]
+
+
+def test_fedprox_term_pulls_towards_the_global_model(toy):
+    module = get_model("cnn", num_classes=4, conv_impl="patches")
+    history = _descend(fedprox(mu=1.0), module, _fixed_batch(toy), steps=5)
+    assert history[0][1]["prox"] == 0.0  # starts at the global model
+    assert 0 < history[-1][1]["prox"] < 1.0
+
+
+@pytest.mark.parametrize("norm,algorithm", [("batch", "fedavg"), ("twin", "fedcl"),
+                                            ("group", "fedrcl")])
+def test_normalizations_train_through_the_engine(toy, norm, algorithm):
+    """BatchNorm statistics are local state, averaged by the server; TwinNorm needs view
+    pairs (FedCL's two views) and evaluates each image alone."""
+    module = ResNet(num_classes=4, stage_sizes=(1, 1), widths=(8, 16), norm=norm,
+                    conv_impl="patches")
+    exp = build(_cfg(algorithm=algorithm, norm=norm, model="resnet18"), toy, module=module)
+    mean, clients, losses = sequential_round(exp, exp.state)
+    state, metrics = jax.jit(exp.run_round)(exp.state, exp.data)
+    np.testing.assert_allclose(metrics["client_loss"], losses, rtol=1e-5, atol=1e-6)
+    if norm == "batch":
+        _, results = sequential_local_updates(exp, exp.state)
+        stats = [r[1] for r in results]
+        expected = jax.tree.map(lambda *xs: np.mean(xs, axis=0), *stats)  # iid: equal sizes
+        for a, b in zip(jax.tree.leaves(state.model_state), jax.tree.leaves(expected),
+                        strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+        assert not np.allclose(jax.tree.leaves(state.model_state)[0],
+                               jax.tree.leaves(exp.state.model_state)[0])
+    ev = jax.jit(exp.evaluate)(state.params, state.model_state, exp.test)
+    assert 0.0 <= float(ev["accuracy"]) <= 1.0 and np.isfinite(float(ev["loss"]))
+
+
+def test_twin_norm_with_a_one_view_algorithm_is_a_config_error():
+    from fedjax_rcl.config import ConfigError, validate
+
+    with pytest.raises(ConfigError, match="norm='twin'"):
+        validate(Config(model="resnet18", norm="twin", algorithm="fedrcl"), check_data=False)

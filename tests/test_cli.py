@@ -1,0 +1,115 @@
+"""The command line: bad input exits 2 with one line naming the field; a tiny run learns."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from fedjax_rcl.cli import main
+
+BAD = [
+    (["rounds=0"], "rounds"),
+    (["rounds=abc"], "rounds"),
+    (["rounds=2.5"], "rounds"),
+    (["participation=1.5"], "participation"),
+    (["participation=0"], "participation"),
+    (["alpha=-1"], "alpha"),
+    (["alpha=nan"], "alpha"),
+    (["lr=0"], "lr"),
+    (["lr_decay=1.5"], "lr_decay"),
+    (["momentum=1"], "momentum"),
+    (["weight_decay=-1"], "weight_decay"),
+    (["clip_norm=-1"], "clip_norm"),
+    (["seed=-1"], "seed"),
+    (["num_clients=0"], "num_clients"),
+    (["local_epochs=0"], "local_epochs"),
+    (["batch_size=0"], "batch_size"),
+    (["eval_every=0"], "eval_every"),
+    (["model=vgg"], "model"),
+    (["algorithm=fedfoo"], "algorithm"),
+    (["partition=random"], "partition"),
+    (["aggregation=median"], "aggregation"),
+    (["conv_impl=fast"], "conv_impl"),
+    (["server.optimizer=adam"], "server.optimizer"),
+    (["server.lr=-1"], "server.lr"),
+    (["dataset=nope"], "dataset"),
+    (["dataset=imagefolder:/nonexistent/data.zip"], "dataset"),
+    (["foo=1"], "foo"),
+    (["server.nu=1"], "server.nu"),
+    (["rounds"], "rounds"),
+    (["num_clients=5000"], "num_clients"),  # more clients than digits has training samples
+]
+
+
+@pytest.mark.parametrize("args,field", BAD, ids=[a[0] for a, _ in BAD])
+def test_bad_config_exits_2_with_one_line_naming_the_field(args, field, capsys, tmp_path):
+    status = main(["train", *args, f"run_dir={tmp_path / 'run'}", "--no-progress"])
+    err = capsys.readouterr().err.strip()
+    assert status == 2
+    assert len(err.splitlines()) == 1, err
+    assert field in err and "error" in err
+    assert not (tmp_path / "run").exists(), "nothing may be written for a bad config"
+
+
+def test_bad_yaml_files(tmp_path, capsys):
+    missing = tmp_path / "missing.yaml"
+    assert main(["train", str(missing)]) == 2
+    assert "not found" in capsys.readouterr().err
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("rounds: [1, 2\n")
+    assert main(["train", str(broken)]) == 2
+    assert "not valid YAML" in capsys.readouterr().err
+    listing = tmp_path / "list.yaml"
+    listing.write_text("- 1\n- 2\n")
+    assert main(["train", str(listing)]) == 2
+    assert "mapping" in capsys.readouterr().err
+
+
+def test_several_problems_are_all_reported(capsys):
+    assert main(["train", "rounds=0", "lr=-1", "model=vgg"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 3
+    assert all(f in err for f in ("rounds", "lr", "model"))
+
+
+def test_yaml_then_overrides(tmp_path, capsys):
+    cfg = tmp_path / "exp.yaml"
+    cfg.write_text("rounds: 7\nlr: 0.05\nserver:\n  lr: 0.5\n")
+    assert main(["train", str(cfg), "lr=0.2", "--print-config"]) == 0
+    out = capsys.readouterr().out
+    assert "rounds: 7" in out and "lr: 0.2" in out and "  lr: 0.5" in out
+
+
+def test_existing_run_is_refused(tmp_path, capsys):
+    (tmp_path / "metrics.jsonl").write_text("{}\n")
+    assert main(["train", f"run_dir={tmp_path}"]) == 2
+    assert "already holds a run" in capsys.readouterr().err
+
+
+def test_subprocess_exit_status_and_no_traceback():
+    proc = subprocess.run([sys.executable, "-m", "fedjax_rcl", "train", "participation=2"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        "fedjax-rcl: error: participation=2.0: must be in (0, 1]"
+    ]
+
+
+def test_tiny_run_beats_chance(tmp_path, capsys):
+    """Digits (10 classes, chance 0.1), a few rounds: clearly better than chance."""
+    run = tmp_path / "run"
+    status = main(["train", "dataset=digits", "rounds=12", "num_clients=10",
+                   "participation=0.5", "local_epochs=2", "partition=iid", "eval_every=4",
+                   f"run_dir={run}", "--no-progress"])
+    assert status == 0
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in rows] == [4, 8, 12]
+    for key in ("test_accuracy", "test_accuracy_ema", "train_loss", "test_loss"):
+        assert all(key in r for r in rows)
+    assert rows[-1]["test_accuracy"] > 0.5
+    assert rows[-1]["train_loss"] < rows[0]["train_loss"]
+    assert (run / "accuracy.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "rounds: 12" in (run / "config.yaml").read_text()
+    assert "compiled in" in capsys.readouterr().out
