@@ -1,4 +1,5 @@
-"""Command line: ``fedjax-rcl train [CONFIG.yaml] [key=value ...]`` and friends.
+"""Command line: ``fedjax-rcl train [CONFIG.yaml] [key=value ...]``, ``resume RUN_DIR``,
+``eval RUN_DIR``, ``partition [CONFIG.yaml] [key=value ...]``.
 
 Every configuration or data problem is reported before anything is compiled, one line per
 problem naming the field, the value and what is allowed, with exit status 2 and no traceback.
@@ -41,10 +42,34 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--no-progress", action="store_true", help="no progress bar")
     t.add_argument("--print-config", action="store_true",
                    help="print the resolved config and exit")
+    r = sub.add_parser("resume", help="continue a run from its newest complete checkpoint")
+    r.add_argument("run_dir", help="the run directory")
+    r.add_argument("overrides", nargs="*", metavar="key=value",
+                   help="e.g. rounds=200 (keys that change results need --force)")
+    r.add_argument("--force", action="store_true",
+                   help="resume even if the overrides change the run's results")
+    r.add_argument("--no-progress", action="store_true", help="no progress bar")
+    e = sub.add_parser("eval", help="evaluate a run's newest checkpoint; prints JSON")
+    e.add_argument("run_dir", help="the run directory")
     s = sub.add_parser("partition", help="partition statistics and a clients x classes plot")
     _config_args(s)
     s.add_argument("--plot", default="partition.png", help="where to save the plot (PNG)")
     return p
+
+
+def _enable_compilation_cache() -> None:
+    """Keeps compiled programs on disk between runs (JAX's persistent cache), so a second run
+    of the same configuration, a resume or an eval skips most of the compile. Honours an
+    explicit ``JAX_COMPILATION_CACHE_DIR``; ``FEDJAX_RCL_JAX_CACHE=0`` turns it off."""
+    if os.environ.get("FEDJAX_RCL_JAX_CACHE") == "0" or os.environ.get(
+        "JAX_COMPILATION_CACHE_DIR"
+    ):
+        return
+    import jax
+
+    from fedjax_rcl.data.sources import default_cache_dir
+
+    jax.config.update("jax_compilation_cache_dir", str(default_cache_dir() / "jax"))
 
 
 def _fail(msg: str, status: int) -> int:
@@ -54,13 +79,41 @@ def _fail(msg: str, status: int) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
+    # Overrides may come before or after options (`train --no-progress rounds=5 lr=0.1`):
+    # argparse leaves positionals that follow an option unparsed, so collect them here.
+    p = parser()
+    args, extra = p.parse_known_args(argv)
+    unknown = [x for x in extra if x.startswith("-") or "=" not in x]
+    if unknown:
+        p.error(f"unrecognized arguments: {' '.join(unknown)}")
+    if extra:
+        if args.command == "eval":
+            p.error(f"eval takes no overrides: {' '.join(extra)}")
+        if args.command == "resume":
+            args.overrides = [*args.overrides, *extra]
+        else:
+            args.args = [*args.args, *extra]
     # Imports after parsing so that `--help` and usage errors are instant.
     from fedjax_rcl.config import ConfigError, load_config, to_yaml
     from fedjax_rcl.data import DataError
 
-    path, overrides = _split_config_args(args.args)
+    _enable_compilation_cache()
     try:
+        if args.command == "resume":
+            from fedjax_rcl.experiment import TrainingError, resume
+
+            try:
+                resume(args.run_dir, args.overrides, force=args.force,
+                       progress=not args.no_progress)
+            except TrainingError as e:
+                return _fail(str(e), EXIT_TRAINING)
+            return 0
+        if args.command == "eval":
+            from fedjax_rcl.experiment import evaluate_run
+
+            print(json.dumps(evaluate_run(args.run_dir)))
+            return 0
+        path, overrides = _split_config_args(args.args)
         cfg = load_config(path, overrides)
         if args.command == "train":
             if args.print_config:
@@ -92,8 +145,9 @@ def _partition(cfg, plot_path: str) -> int:
     plot_class_counts(counts, plot_path, class_names=ds.class_names,
                       title=f"{cfg.dataset}: {cfg.partition} (alpha={cfg.alpha}), "
                             f"{cfg.num_clients} clients")
-    print(json.dumps({"dataset": cfg.dataset, "partition": cfg.partition, "alpha": cfg.alpha,
-                      "num_clients": cfg.num_clients, **summary, "plot": plot_path}, indent=2))
+    print(json.dumps({**summary, "dataset": cfg.dataset, "partition": cfg.partition,
+                      "alpha": cfg.alpha, "num_clients": cfg.num_clients, "plot": plot_path},
+                     indent=2))
     return 0
 
 

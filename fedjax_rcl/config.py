@@ -11,6 +11,8 @@ settings live in ``experiments/*.yaml``.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import math
 from dataclasses import dataclass, field
 
@@ -80,7 +82,7 @@ class Config:
     dataset: str = "digits"  # digits | cifar10 | cifar100 | imagefolder:PATH
     data_dir: str | None = None  # TFDS data dir for cifar10/cifar100
     model: str = "cnn"  # cnn | resnet18 | resnet34
-    algorithm: str = "fedavg"  # fedavg | fedprox | fedscl | fedrcl | fedcl | moon
+    algorithm: str = "fedrcl"  # fedavg | fedprox | fedscl | fedrcl | fedcl | moon
     num_clients: int = 20
     participation: float = 0.25  # fraction of clients sampled each round
     partition: str = "dirichlet"  # iid | dirichlet | shards
@@ -98,6 +100,8 @@ class Config:
     aggregation: str = "size"  # size | uniform
     augment: bool = True  # rotation, crop, flip during local training
     eval_every: int = 1  # rounds between evaluations (the rounds in between are fused)
+    checkpoint_every: int = 10  # rounds between checkpoints (a multiple of eval_every; 0: end)
+    keep_checkpoints: int = 3  # newest checkpoints kept
     eval_batch_size: int = 500
     ema_decay: float = 0.9
     conv_impl: str = "auto"  # auto (patches on CPU, native on GPU/TPU) | patches | native
@@ -156,6 +160,35 @@ def load_config(path: str | None = None, overrides: list[str] | tuple[str, ...] 
         raise ConfigError([_format_key_error(e)]) from None
     validate(cfg)
     return cfg
+
+
+# Keys that a resumed run may change without changing any result.
+RESUME_SAFE_KEYS = ("rounds", "checkpoint_every", "keep_checkpoints", "eval_batch_size",
+                    "data_dir", "run_dir")
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def changed_keys(old: Config, new: Config) -> list[str]:
+    """Dotted keys whose values differ and that would change results (see RESUME_SAFE_KEYS)."""
+    a, b = _flat(dataclasses.asdict(old)), _flat(dataclasses.asdict(new))
+    return sorted(k for k in a.keys() | b.keys()
+                  if a.get(k) != b.get(k) and k not in RESUME_SAFE_KEYS)
+
+
+def config_digest(cfg: Config) -> str:
+    """A hash of every result-affecting setting (checkpoints carry it)."""
+    flat = {k: v for k, v in _flat(dataclasses.asdict(cfg)).items()
+            if k not in RESUME_SAFE_KEYS}
+    return hashlib.sha256(json.dumps(flat, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def to_yaml(cfg: Config) -> str:
@@ -247,6 +280,11 @@ def validate(cfg: Config, *, check_data: bool = True) -> None:
            f"allowed: {', '.join(AGGREGATIONS)}")
     _check(p, cfg.eval_every >= 1, "eval_every", cfg.eval_every, "must be >= 1")
     _check(p, cfg.eval_batch_size >= 1, "eval_batch_size", cfg.eval_batch_size, "must be >= 1")
+    _check(p, cfg.checkpoint_every >= 0 and (
+        cfg.eval_every < 1 or cfg.checkpoint_every % cfg.eval_every == 0),
+        "checkpoint_every", cfg.checkpoint_every,
+        f"must be a multiple of eval_every={cfg.eval_every} (0: only at the end)")
+    _check(p, cfg.keep_checkpoints >= 1, "keep_checkpoints", cfg.keep_checkpoints, "must be >= 1")
     _check(p, finite(cfg.ema_decay) and 0 <= cfg.ema_decay < 1, "ema_decay", cfg.ema_decay,
            "must be in [0, 1)")
     _check(p, cfg.conv_impl in CONV_IMPLS, "conv_impl", cfg.conv_impl,

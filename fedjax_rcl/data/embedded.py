@@ -7,10 +7,12 @@ upsampled bilinearly to 32x32 so that the CIFAR-sized models apply unchanged.
 
 from __future__ import annotations
 
+import importlib.metadata
+
 import numpy as np
 from PIL import Image
 
-from fedjax_rcl.data.sources import ImageDataset, channel_stats
+from fedjax_rcl.data.sources import ImageDataset, cached_arrays, channel_stats
 
 __all__ = ["load_digits"]
 
@@ -19,15 +21,8 @@ _TEST_FRACTION = 0.2
 _SPLIT_SEED = 0
 
 
-def load_digits() -> ImageDataset:
-    """Loads the digits as ``uint8 [N, 32, 32, 1]`` with a stratified 80/20 train/test split.
-
-    The split puts ``round(0.2 * n_c)`` images of each class ``c`` into test, chosen by a
-    permutation drawn from ``np.random.default_rng(0)`` (so it never depends on any run
-    setting); both splits keep the original order. mean/std are the train images' statistics.
-    Digits are not mirror-symmetric, so ``hflip`` is False.
-    """
-    from sklearn.datasets import load_digits as sklearn_digits  # ~0.5 s import: only when used
+def _decode_digits() -> dict[str, np.ndarray]:
+    from sklearn.datasets import load_digits as sklearn_digits  # ~1 s import: only when used
 
     digits = sklearn_digits()
     small = np.rint(digits.images * (255.0 / 16.0)).astype(np.uint8)  # [N, 8, 8], 0..255
@@ -35,7 +30,21 @@ def load_digits() -> ImageDataset:
         np.asarray(Image.fromarray(im).resize((_SIZE, _SIZE), Image.Resampling.BILINEAR))
         for im in small
     ])[..., None]
-    labels = digits.target.astype(np.int32)
+    return {"images": images, "labels": digits.target.astype(np.int32)}
+
+
+def load_digits(cache_dir: str | None = None) -> ImageDataset:
+    """Loads the digits as ``uint8 [N, 32, 32, 1]`` with a stratified 80/20 train/test split.
+
+    The split puts ``round(0.2 * n_c)`` images of each class ``c`` into test, chosen by a
+    permutation drawn from ``np.random.default_rng(0)`` (so it never depends on any run
+    setting); both splits keep the original order. mean/std are the train images' statistics.
+    Digits are not mirror-symmetric, so ``hflip`` is False. The decoded arrays are cached like
+    any other source (importing scikit-learn costs about a second per process).
+    """
+    version = importlib.metadata.version("scikit-learn")
+    arrays = cached_arrays(cache_dir, "digits", ["digits", version, _SIZE], _decode_digits)
+    images, labels = arrays["images"], arrays["labels"]
 
     rng = np.random.default_rng(_SPLIT_SEED)
     is_test = np.zeros(len(labels), dtype=bool)

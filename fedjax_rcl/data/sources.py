@@ -235,7 +235,7 @@ def load_dataset(spec: str, *, data_dir: str | None = None,
     kind, arg = _parse_spec(spec)
     if kind == "digits":
         from fedjax_rcl.data import embedded
-        return embedded.load_digits()
+        return embedded.load_digits(cache_dir)
     if kind == "imagefolder":
         from fedjax_rcl.data import imagefolder
         return imagefolder.load_imagefolder(arg, cache_dir=cache_dir)

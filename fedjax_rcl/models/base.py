@@ -69,9 +69,11 @@ class ModelFns:
 def model_fns(module: nn.Module) -> ModelFns:
     """Wraps a module whose ``__call__(x, *, train)`` returns a ``ModelOutput``."""
 
+    # Jitted: run eagerly, every layer's initialiser would compile on its own (seconds).
+    jit_init = jax.jit(lambda key, sample: module.init(key, sample, train=False))
+
     def init(key, sample):
-        variables = module.init(key, jnp.asarray(sample, jnp.float32), train=False)
-        variables = dict(variables)
+        variables = dict(jit_init(key, jnp.asarray(sample, jnp.float32)))
         params = variables.pop("params")
         return params, variables
 

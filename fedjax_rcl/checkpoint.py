@@ -1,0 +1,147 @@
+"""Checkpoints of everything the next round reads, through Orbax (SPEC §9).
+
+A checkpoint holds the ``ServerState`` (global params and model state, server optimizer state,
+the per-client state table, the round index, the root key) and a JSON record of the host-side
+loop state (rounds done, the accuracy EMA, the config digest, a fingerprint of the state). Orbax
+writes each checkpoint into a temporary directory and renames it when complete, so a process
+killed at any moment, even during a save, leaves only whole checkpoints; ``restore_latest``
+additionally checks each restored state against its fingerprint and falls back to the previous
+checkpoint, with a warning, when the newest one is damaged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+
+_log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class Restored:
+    """A restored checkpoint: the state, its JSON record and its step (rounds done)."""
+
+    state: Any
+    meta: dict
+    step: int
+
+
+@jax.jit
+def _leaf_sums(state) -> list[jax.Array]:
+    leaves = jax.tree.leaves(state)
+    return [jnp.stack([jnp.sum(x.astype(jnp.float32)), jnp.sum(jnp.square(x.astype(jnp.float32)))])
+            for x in leaves]
+
+
+def fingerprint(state) -> list[list[float]]:
+    """Per-leaf ``(sum, sum of squares)``: cheap, computed on device, and bitwise reproducible
+    for a bitwise identical state on the same backend — a restore that silently read damaged
+    data shows up as a mismatch."""
+    return [[float(a), float(b)] for a, b in jax.device_get(_leaf_sums(state))]
+
+
+def _same_fingerprint(a, b) -> bool:
+    # A tolerance, not bit equality, so that a checkpoint moves between backends (a GPU's sum
+    # rounds differently from a CPU's); damage shows up as far larger differences or NaN.
+    if b is None or len(a) != len(b):
+        return False
+    return bool(np.allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6))
+
+
+class Checkpointer:
+    """Saves and restores run checkpoints under ``directory`` (Orbax ``CheckpointManager``).
+
+    Args:
+      directory: where checkpoints live (``RUN_DIR/checkpoints``).
+      keep: how many of the newest checkpoints to keep.
+      async_save: write in a background thread (the device-to-host copy still happens before
+        ``save`` returns, so the caller may reuse or donate the state right away).
+    """
+
+    def __init__(self, directory: str | Path, *, keep: int = 3, async_save: bool = True):
+        self.directory = Path(directory).absolute()
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=keep,
+            enable_async_checkpointing=async_save,
+            create=True,
+            cleanup_tmp_directories=True,  # leftovers of a save that was killed
+        )
+        self._manager = ocp.CheckpointManager(self.directory, options=options)
+
+    def save(self, step: int, state, meta: dict) -> None:
+        """Saves ``state`` (a pytree of arrays) and ``meta`` (JSON) as checkpoint ``step``."""
+        meta = {**meta, "fingerprint": fingerprint(state)}
+        self._manager.save(
+            step,
+            args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                    meta=ocp.args.JsonSave(meta)),
+            force=True,
+        )
+
+    def steps(self) -> list[int]:
+        """Complete checkpoints, oldest first."""
+        self._manager.reload()
+        return sorted(self._manager.all_steps())
+
+    def restore_latest(self, like) -> Restored | None:
+        """The newest checkpoint that restores and matches its fingerprint, else None.
+
+        Args:
+          like: a state with the right structure, shapes and dtypes (e.g. the freshly built
+            initial state); its values are not used.
+        """
+        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, like)
+        for step in reversed(self.steps()):
+            try:
+                out = self._manager.restore(
+                    step,
+                    args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract),
+                                            meta=ocp.args.JsonRestore()),
+                )
+                state, meta = out["state"], dict(out["meta"])
+                if not _same_fingerprint(fingerprint(state), meta.get("fingerprint")):
+                    raise ValueError("restored values do not match the saved fingerprint")
+            except Exception as e:  # any failure to read a checkpoint means it is damaged
+                _log.warning("checkpoint %d in %s is damaged (%s: %s); trying the previous one",
+                             step, self.directory, type(e).__name__, str(e).splitlines()[0]
+                             if str(e) else "")
+                continue
+            return Restored(state=state, meta=meta, step=step)
+        return None
+
+    def set_aside(self, steps) -> list[Path]:
+        """Moves the given checkpoints out of the way (to ``<directory>-damaged/``) without
+        deleting anything, so that a resumed run can write those steps again."""
+        moved = []
+        aside = self.directory.with_name(self.directory.name + "-damaged")
+        for step in steps:
+            src = self.directory / str(step)
+            if src.exists():
+                aside.mkdir(exist_ok=True)
+                dst = aside / f"{step}-{int(time.time())}"
+                src.rename(dst)
+                moved.append(dst)
+                _log.warning("moved damaged checkpoint %s to %s", src, dst)
+        self._manager.reload()
+        return moved
+
+    def wait(self) -> None:
+        """Blocks until every pending save is on disk."""
+        self._manager.wait_until_finished()
+
+    def close(self) -> None:
+        self._manager.wait_until_finished()
+        self._manager.close()
+
+
+def state_nbytes(state) -> int:
+    """Bytes of all arrays in a state (checkpoint payload before compression)."""
+    return int(sum(np.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(state)))

@@ -1,0 +1,167 @@
+"""Runs never lose work: exact resume, damaged checkpoints, SIGKILL at random moments."""
+
+import json
+import logging
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from fedjax_rcl.checkpoint import Checkpointer
+from fedjax_rcl.cli import main
+from fedjax_rcl.config import ConfigError, load_config
+from fedjax_rcl.experiment import build, evaluate_run, resume, train
+
+# Small and fast: 10 digits clients, 2 per round, one local epoch.
+TINY = ["dataset=digits", "num_clients=10", "participation=0.2", "local_epochs=1",
+        "batch_size=32", "partition=dirichlet", "alpha=0.5", "algorithm=fedrcl"]
+
+
+def _metrics(run_dir):
+    rows = [json.loads(x) for x in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+    for r in rows:
+        r.pop("elapsed_s")  # wall time is the one field that may differ
+    return rows
+
+
+def _final_state(run_dir):
+    cfg = load_config(str(Path(run_dir) / "config.yaml"))
+    exp = build(cfg)
+    ckpt = Checkpointer(Path(run_dir) / "checkpoints")
+    restored = ckpt.restore_latest(exp.state)
+    ckpt.close()
+    return restored
+
+
+def _assert_same_state(a, b):
+    assert a.step == b.step
+    for x, y in zip(jax.tree.leaves(a.state), jax.tree.leaves(b.state), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))  # bitwise
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """An uninterrupted run of 6 rounds, checkpoints every 2."""
+    run = tmp_path_factory.mktemp("ref") / "run"
+    train(load_config(None, [*TINY, "rounds=6", "checkpoint_every=2", f"run_dir={run}"]),
+          progress=False, log=lambda s: None)
+    return run
+
+
+def test_stop_and_resume_is_identical(reference, tmp_path):
+    run = tmp_path / "run"
+    train(load_config(None, [*TINY, "rounds=3", "checkpoint_every=2", f"run_dir={run}"]),
+          progress=False, log=lambda s: None)
+    assert [r["round"] for r in _metrics(run)] == [1, 2, 3]
+    resume(run, ["rounds=6"], progress=False, log=lambda s: None)
+    assert _metrics(run) == _metrics(reference)
+    _assert_same_state(_final_state(run), _final_state(reference))
+    assert "rounds: 6" in (run / "config.yaml").read_text()
+
+
+def test_resume_refuses_result_changing_overrides(reference, tmp_path, capsys):
+    run = tmp_path / "copy"
+    shutil.copytree(reference, run)
+    with pytest.raises(ConfigError, match="lr, seed"):
+        resume(run, ["lr=0.5", "seed=3", "rounds=8"], progress=False, log=lambda s: None)
+    assert main(["resume", str(run), "alpha=0.9"]) == 2
+    err = capsys.readouterr().err
+    assert "alpha" in err and "--force" in err and len(err.strip().splitlines()) == 1
+
+
+def test_damaged_latest_checkpoint_falls_back_with_a_warning(reference, tmp_path, caplog):
+    run = tmp_path / "damaged"
+    shutil.copytree(reference, run)
+    latest = run / "checkpoints" / "6"
+    victims = [p for p in latest.rglob("*") if p.is_file() and p.stat().st_size > 64]
+    assert victims
+    for p in victims:  # truncate the payload files of the newest checkpoint
+        with open(p, "r+b") as f:
+            f.truncate(p.stat().st_size // 3)
+    with caplog.at_level(logging.WARNING):
+        restored = _final_state(run)
+    assert restored.step == 4
+    assert any("damaged" in r.message for r in caplog.records)
+    # Resuming from round 4 reproduces the uninterrupted result.
+    resume(run, [], progress=False, log=lambda s: None)
+    assert _metrics(run) == _metrics(reference)
+    _assert_same_state(_final_state(run), _final_state(reference))
+
+
+def test_eval_prints_the_latest_checkpoint(reference, capsys):
+    assert main(["eval", str(reference)]) == 0
+    out = json.loads(capsys.readouterr().out)
+    last = _metrics(reference)[-1]
+    assert out["round"] == 6
+    assert out["test_accuracy"] == pytest.approx(last["test_accuracy"], abs=1e-6)
+    assert evaluate_run(reference)["test_loss"] == pytest.approx(last["test_loss"], rel=1e-5)
+
+
+def test_non_finite_loss_stops_cleanly_naming_round_and_client(tmp_path, capsys):
+    run = tmp_path / "nan"
+    status = main(["train", *TINY, "rounds=4", "lr=1e30", "clip_norm=0", "checkpoint_every=1",
+                   f"run_dir={run}", "--no-progress"])
+    err = capsys.readouterr().err
+    assert status == 1
+    assert "non-finite" in err and "round" in err and "client" in err
+    assert "Traceback" not in err
+    # The last good checkpoint is intact and restores.
+    restored = _final_state(run)
+    assert restored is not None and restored.step >= 0
+
+
+def _cli(*args):
+    return [sys.executable, "-m", "fedjax_rcl", *args, "--no-progress"]
+
+
+@pytest.mark.slow
+def test_sigkill_at_random_moments_always_resumes_to_the_same_result(tmp_path):
+    """At least 10 trials, half of them killed while a checkpoint is being written."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    args = [*TINY, "rounds=5", "checkpoint_every=1"]
+    ref = tmp_path / "ref"
+    subprocess.run(_cli("train", *args, f"run_dir={ref}"), env=env, check=True,
+                   capture_output=True, timeout=300)
+    expected_metrics, expected_state = _metrics(ref), _final_state(ref)
+    rng = random.Random(0)
+    during_save, trials = 0, 10
+    for trial in range(trials):
+        run = tmp_path / f"trial{trial}"
+        proc = subprocess.Popen(_cli("train", *args, f"run_dir={run}"), env=env,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        ckpts = run / "checkpoints"
+        deadline = time.time() + 240
+        if trial % 2 == 0:  # kill the moment a save is in flight (Orbax's temporary dir)
+            target_round = rng.randint(1, 4)
+            while time.time() < deadline and proc.poll() is None:
+                tmp = [p for p in ckpts.glob("*tmp*")] if ckpts.exists() else []
+                if any(p.name.startswith(f"{target_round}.") for p in tmp) or (
+                        tmp and target_round == 0):
+                    break
+                if (ckpts / str(target_round)).exists():  # missed it: take the next save
+                    target_round += 1
+                time.sleep(0.002)
+        else:  # kill at a random time once training is under way
+            while time.time() < deadline and proc.poll() is None and not (
+                    ckpts / "0").exists():
+                time.sleep(0.01)
+            time.sleep(rng.uniform(0.0, 3.0))
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=60)
+        if ckpts.exists() and any("tmp" in p.name for p in ckpts.iterdir()):
+            during_save += 1
+        subprocess.run(_cli("resume", str(run)), env=env, check=True, capture_output=True,
+                       timeout=300)
+        assert _metrics(run) == expected_metrics, f"trial {trial}"
+        _assert_same_state(_final_state(run), expected_state)
+    print(f"\nSIGKILL trials: {trials}, of which during a checkpoint save: {during_save}")
+    assert during_save >= 3, f"only {during_save} of {trials} kills landed during a save"
