@@ -45,7 +45,9 @@ def fingerprint(state) -> list[list[float]]:
     """Per-leaf ``(sum, sum of squares)``: cheap, computed on device, and bitwise reproducible
     for a bitwise identical state on the same backend — a restore that silently read damaged
     data shows up as a mismatch."""
-    return [[float(a), float(b)] for a, b in jax.device_get(_leaf_sums(state))]
+    from fedjax_rcl.engine.sharding import to_host
+
+    return [[float(a), float(b)] for a, b in to_host(_leaf_sums(state))]
 
 
 def _same_fingerprint(a, b) -> bool:

@@ -72,6 +72,16 @@ class MoonConfig:
 
 
 @dataclass
+class DistributedConfig:
+    """Several processes (hosts) as one JAX cluster; every process runs the same command with
+    its own ``process_id``."""
+
+    coordinator_address: str | None = None  # host:port of process 0
+    num_processes: int = 1
+    process_id: int = 0
+
+
+@dataclass
 class Config:
     """One federated run. The flat core keys are named as in the README and SPEC.
 
@@ -105,9 +115,13 @@ class Config:
     eval_batch_size: int = 500
     ema_decay: float = 0.9
     conv_impl: str = "auto"  # auto (patches on CPU, native on GPU/TPU) | patches | native
+    devices: int = 1  # devices the sampled clients are sharded over (0: every device)
+    clients_in_parallel: int = 0  # clients trained side by side (0: all sampled at once)
+    client_states: str = "device"  # device | host: where the per-client state table lives
     norm: str = "group"  # group | batch | twin (ResNets; twin needs a two-view algorithm)
     run_dir: str | None = None  # default: runs/<dataset>-<algorithm>-<timestamp>
     server: ServerConfig = field(default_factory=ServerConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
     fedprox: FedProxConfig = field(default_factory=FedProxConfig)
     fedrcl: FedRCLConfig = field(default_factory=FedRCLConfig)
     fedcl: FedCLConfig = field(default_factory=FedCLConfig)
@@ -164,7 +178,8 @@ def load_config(path: str | None = None, overrides: list[str] | tuple[str, ...] 
 
 # Keys that a resumed run may change without changing any result.
 RESUME_SAFE_KEYS = ("rounds", "checkpoint_every", "keep_checkpoints", "eval_batch_size",
-                    "data_dir", "run_dir")
+                    "data_dir", "run_dir", "distributed.coordinator_address",
+                    "distributed.process_id")
 
 
 def _flat(d: dict, prefix: str = "") -> dict:
@@ -287,6 +302,20 @@ def validate(cfg: Config, *, check_data: bool = True) -> None:
     _check(p, cfg.keep_checkpoints >= 1, "keep_checkpoints", cfg.keep_checkpoints, "must be >= 1")
     _check(p, finite(cfg.ema_decay) and 0 <= cfg.ema_decay < 1, "ema_decay", cfg.ema_decay,
            "must be in [0, 1)")
+    _check(p, cfg.devices >= 0, "devices", cfg.devices, "must be >= 0 (0: every device)")
+    _check(p, cfg.clients_in_parallel >= 0, "clients_in_parallel", cfg.clients_in_parallel,
+           "must be >= 0 (0: all sampled clients at once)")
+    _check(p, cfg.client_states in ("device", "host"), "client_states", cfg.client_states,
+           "allowed: device, host")
+    d = cfg.distributed
+    _check(p, d.num_processes >= 1, "distributed.num_processes", d.num_processes, "must be >= 1")
+    _check(p, 0 <= d.process_id < max(d.num_processes, 1), "distributed.process_id",
+           d.process_id, f"must be in [0, {d.num_processes - 1}]")
+    _check(p, d.num_processes == 1 or bool(cfg.run_dir), "run_dir", cfg.run_dir,
+           "must be set explicitly when num_processes > 1 (all processes share it)")
+    _check(p, d.num_processes == 1 or bool(d.coordinator_address),
+           "distributed.coordinator_address", d.coordinator_address,
+           "required (host:port of process 0) when num_processes > 1")
     _check(p, cfg.conv_impl in CONV_IMPLS, "conv_impl", cfg.conv_impl,
            f"allowed: {', '.join(CONV_IMPLS)}")
     _check(p, cfg.norm in NORMS, "norm", cfg.norm, f"allowed: {', '.join(NORMS)}")

@@ -8,6 +8,7 @@ two evaluations are one call of one compiled executable, metrics are appended to
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -20,6 +21,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
 
 from fedjax_rcl.algorithms import ClientAlgorithm, registered
 from fedjax_rcl.checkpoint import Checkpointer, Restored
@@ -43,6 +45,15 @@ from fedjax_rcl.engine.round import (
     init_server_state,
     make_round,
     make_run_rounds,
+    sample_clients,
+)
+from fedjax_rcl.engine.sharding import (
+    client_mesh,
+    initialize_distributed,
+    is_primary,
+    put_client_table,
+    put_replicated,
+    to_host,
 )
 from fedjax_rcl.metrics import ema
 from fedjax_rcl.models import ModelFns, get_model, model_fns
@@ -70,6 +81,11 @@ class Experiment:
     run_round: Callable  # pure (state, data) -> (state, metrics)
     run_rounds: Callable  # jitted (state, data, n) -> (state, metrics[eval_every])
     evaluate: Callable  # jitted (params, model_state, test) -> metrics
+    mesh: Mesh | None = None  # the clients mesh, None on one device
+    # ``client_states=host``: the per-client state table as NumPy arrays in host memory, and
+    # the jitted single round that takes and returns the sampled clients' rows.
+    host_table: object = None
+    round_step: Callable | None = None
 
 
 def make_partition(cfg: Config, labels: np.ndarray) -> list[np.ndarray]:
@@ -98,8 +114,13 @@ def build(cfg: Config, dataset: ImageDataset | None = None, *,
         raise ConfigError([f"num_clients={cfg.num_clients}: must be <= the "
                            f"{len(dataset.train_labels)} training samples of {cfg.dataset}"])
     parts = make_partition(cfg, dataset.train_labels)
-    data = pack_clients(dataset.train_images, dataset.train_labels, parts)
-    test = pack_test(dataset.test_images, dataset.test_labels, cfg.eval_batch_size)
+    try:
+        mesh = client_mesh(cfg.devices)
+    except ValueError as e:
+        raise ConfigError([str(e)]) from None
+    data = put_replicated(pack_clients(dataset.train_images, dataset.train_labels, parts), mesh)
+    test = put_replicated(pack_test(dataset.test_images, dataset.test_labels,
+                                    cfg.eval_batch_size), mesh)
 
     entry = registered(cfg.algorithm)
     module = module or get_model(cfg.model, num_classes=dataset.num_classes,
@@ -126,13 +147,28 @@ def build(cfg: Config, dataset: ImageDataset | None = None, *,
                            momentum=cfg.momentum)
     local_update = make_local_update(model, algorithm, opt, settings)
     sopt = server_optimizer(cfg.server.optimizer, lr=cfg.server.lr)
+    host = cfg.client_states == "host"
     run_round = make_round(local_update, sopt, num_clients=cfg.num_clients,
-                           participation=cfg.participation, aggregation=cfg.aggregation)
-    run_rounds = jax.jit(make_run_rounds(run_round, cfg.eval_every), donate_argnums=0)
+                           participation=cfg.participation, aggregation=cfg.aggregation,
+                           mesh=mesh, clients_in_parallel=cfg.clients_in_parallel or None,
+                           host_states=host)
     evaluate = jax.jit(make_evaluate(model, mean=dataset.mean, std=dataset.std))
-    state = init_server_state(params, model_state, algorithm, sopt, cfg.num_clients, root)
+    if host:
+        one = jax.device_get(algorithm.init_client_state(params, model_state))
+        host_table = jax.tree.map(
+            lambda x: np.repeat(np.asarray(x)[None], cfg.num_clients, axis=0), one)
+        state = init_server_state(params, model_state, algorithm, sopt, 0, root)
+        state = put_replicated(jax.device_get(state.replace(client_states=())), mesh)
+        return Experiment(cfg, dataset, parts, model, algorithm, data, test, state, settings,
+                          local_update, run_round, None, evaluate, mesh, host_table,
+                          jax.jit(run_round, donate_argnums=0))
+    run_rounds = jax.jit(make_run_rounds(run_round, cfg.eval_every), donate_argnums=0)
+    state = jax.device_get(
+        init_server_state(params, model_state, algorithm, sopt, cfg.num_clients, root))
+    state = put_replicated(state.replace(client_states=()), mesh).replace(
+        client_states=put_client_table(state.client_states, mesh))
     return Experiment(cfg, dataset, parts, model, algorithm, data, test, state, settings,
-                      local_update, run_round, run_rounds, evaluate)
+                      local_update, run_round, run_rounds, evaluate, mesh)
 
 
 def default_run_dir(cfg: Config) -> Path:
@@ -169,8 +205,20 @@ def _check_finite(metrics: dict, first_round: int, n: int) -> None:
                             f" at client {client}; stopping")
 
 
+def _silent(message: str) -> None:
+    del message
+
+
+def _join_cluster(cfg: Config) -> None:
+    d = cfg.distributed
+    initialize_distributed(d.coordinator_address, d.num_processes, d.process_id)
+
+
 def atomic_write_text(path: Path, text: str) -> None:
-    """Writes a file so that a reader (or a resumed run) never sees half of it."""
+    """Writes a file so that a reader (or a resumed run) never sees half of it (the primary
+    process writes; the others skip)."""
+    if not is_primary():
+        return
     tmp = path.with_name(f".{path.name}.tmp")
     with open(tmp, "w") as f:
         f.write(text)
@@ -200,13 +248,53 @@ def _checkpoint_meta(cfg: Config, done: int, acc_ema: float | None) -> dict:
 
 
 def _compile(exp: Experiment, log):
+    """Compiles the round program and the evaluation once, before the loop."""
     t0 = time.perf_counter()
-    n_dev = jax.device_put(np.int32(exp.cfg.eval_every))
-    step = exp.run_rounds.lower(exp.state, exp.data, n_dev).compile()
+    if exp.host_table is None:
+        n_dev = put_replicated(np.int32(exp.cfg.eval_every), exp.mesh)
+        fused = exp.run_rounds.lower(exp.state, exp.data, n_dev).compile()
+
+        def advance(state, n):
+            state, metrics = fused(state, exp.data, put_replicated(np.int32(n), exp.mesh))
+            return state, jax.tree.map(lambda x: x[:n], to_host(metrics))
+    else:
+        m = clients_per_round(exp.cfg.num_clients, exp.cfg.participation)
+        rows = jax.tree.map(lambda t: t[:m], exp.host_table)
+        one = exp.round_step.lower(exp.state, exp.data, rows).compile()
+        sampler = jax.jit(lambda key, r: sample_clients(key, r, exp.cfg.num_clients, m))
+
+        def advance(state, n):
+            # Round by round: only the sampled clients' rows cross between host and device.
+            history = []
+            for _ in range(n):
+                ids = to_host(sampler(state.key, state.round))
+                rows = put_replicated(jax.tree.map(lambda t, ids=ids: t[ids], exp.host_table),
+                                      exp.mesh)
+                state, metrics, new_rows = one(state, exp.data, rows)
+                for table, new in zip(jax.tree.leaves(exp.host_table),
+                                      jax.tree.leaves(to_host(new_rows)), strict=True):
+                    table[ids] = new
+                history.append(to_host(metrics))
+            return state, jax.tree.map(lambda *xs: np.stack(xs), *history)
+
     evaluate = exp.evaluate.lower(exp.state.params, exp.state.model_state, exp.test).compile()
     compile_s = time.perf_counter() - t0
     log(f"compiled in {compile_s:.1f} s")
-    return step, evaluate, compile_s
+    return advance, evaluate, compile_s
+
+
+def _checkpoint_tree(exp: Experiment, state: ServerState):
+    """What a checkpoint holds: the server state, plus the host-memory table if there is one."""
+    return state if exp.host_table is None else {"server": state, "host": exp.host_table}
+
+
+def _from_checkpoint_tree(exp: Experiment, tree) -> ServerState:
+    if exp.host_table is None:
+        return tree
+    for table, saved in zip(jax.tree.leaves(exp.host_table), jax.tree.leaves(tree["host"]),
+                            strict=True):
+        table[...] = np.asarray(saved)
+    return tree["server"]
 
 
 def _describe(exp: Experiment, run_dir: Path) -> str:
@@ -227,21 +315,21 @@ def _run(exp: Experiment, run_dir: Path, ckpt: Checkpointer, state: ServerState,
     from fedjax_rcl.plots import plot_metrics
 
     cfg = exp.cfg
-    step, evaluate, compile_s = _compile(exp, log)
+    advance, evaluate, compile_s = _compile(exp, log)
     record: dict = {}
     start, first = time.perf_counter(), done
-    bar = tqdm(total=cfg.rounds, initial=done, unit="round", disable=not progress,
-               dynamic_ncols=True)
+    bar = tqdm(total=cfg.rounds, initial=done, unit="round",
+               disable=not progress or not is_primary(), dynamic_ncols=True)
     try:
-        with open(run_dir / "metrics.jsonl", "a") as out:
+        with (open(run_dir / "metrics.jsonl", "a") if is_primary()
+              else contextlib.nullcontext()) as out:
             while done < cfg.rounds:
                 n = min(cfg.eval_every - done % cfg.eval_every, cfg.rounds - done)
                 # Hidden host<->device copies in the hot loop are errors (STYLE #13).
                 with jax.transfer_guard("disallow"):
-                    state, metrics = step(state, exp.data, jax.device_put(np.int32(n)))
-                    metrics = jax.device_get(metrics)
+                    state, metrics = advance(state, n)
                     _check_finite(metrics, done, n)
-                    ev = jax.device_get(evaluate(state.params, state.model_state, exp.test))
+                    ev = to_host(evaluate(state.params, state.model_state, exp.test))
                 done += n
                 acc = float(ev["accuracy"])
                 acc_ema = ema(acc_ema, acc, cfg.ema_decay)
@@ -251,11 +339,13 @@ def _run(exp: Experiment, run_dir: Path, ckpt: Checkpointer, state: ServerState,
                           "test_loss": float(ev["loss"]),
                           "train_loss": float(np.mean(metrics["loss"][:n])), **terms,
                           "elapsed_s": round(time.perf_counter() - start, 3)}
-                out.write(json.dumps(record) + "\n")
-                out.flush()
+                if out is not None:
+                    out.write(json.dumps(record) + "\n")
+                    out.flush()
                 if done == cfg.rounds or (cfg.checkpoint_every
                                           and done % cfg.checkpoint_every == 0):
-                    ckpt.save(done, state, _checkpoint_meta(cfg, done, acc_ema))
+                    ckpt.save(done, _checkpoint_tree(exp, state),
+                              _checkpoint_meta(cfg, done, acc_ema))
                 bar.update(n)
                 bar.set_postfix(loss=f"{record['train_loss']:.3f}", acc=f"{acc:.3f}",
                                 ema=f"{acc_ema:.3f}")
@@ -263,8 +353,9 @@ def _run(exp: Experiment, run_dir: Path, ckpt: Checkpointer, state: ServerState,
         bar.close()
         ckpt.close()  # waits for pending saves: a stopped run keeps its last good checkpoint
     elapsed = time.perf_counter() - start
-    plot_metrics(run_dir / "metrics.jsonl", run_dir / "accuracy.png",
-                 title=f"{cfg.algorithm} · {cfg.model} · {cfg.dataset}")
+    if is_primary():
+        plot_metrics(run_dir / "metrics.jsonl", run_dir / "accuracy.png",
+                     title=f"{cfg.algorithm} · {cfg.model} · {cfg.dataset}")
     if record:
         rate = (done - first) / elapsed
         log(f"done: rounds {first}..{done} in {elapsed:.1f} s ({rate:.2f} rounds/s, "
@@ -284,13 +375,16 @@ def train(cfg: Config, *, dataset: ImageDataset | None = None, progress: bool = 
     each loss term, ``elapsed_s``), ``checkpoints/`` (Orbax; round 0, every
     ``checkpoint_every`` rounds and the last) and ``accuracy.png``.
     """
+    _join_cluster(cfg)
+    log = log if is_primary() else _silent
     run_dir = resolve_run_dir(cfg)
     exp = build(cfg, dataset)  # data-dependent checks happen here, still before any compile
     create_run_dir(run_dir)
     atomic_write_text(run_dir / "config.yaml", to_yaml(cfg))
     log(_describe(exp, run_dir))
     ckpt = Checkpointer(run_dir / "checkpoints", keep=cfg.keep_checkpoints)
-    ckpt.save(0, exp.state, _checkpoint_meta(cfg, 0, None))  # a run always has a checkpoint
+    # A run always has a checkpoint.
+    ckpt.save(0, _checkpoint_tree(exp, exp.state), _checkpoint_meta(cfg, 0, None))
     return _run(exp, run_dir, ckpt, exp.state, 0, None, progress=progress, log=log)
 
 
@@ -315,6 +409,8 @@ def resume(run_dir: str | Path, overrides=(), *, force: bool = False,
     """
     run_dir = Path(run_dir)
     saved, cfg = _load_run_config(run_dir, overrides)
+    _join_cluster(cfg)
+    log = log if is_primary() else _silent
     changed = changed_keys(saved, cfg)
     if changed and not force:
         raise ConfigError([f"resume: {', '.join(changed)} would change the run's results "
@@ -322,7 +418,7 @@ def resume(run_dir: str | Path, overrides=(), *, force: bool = False,
                            "continue anyway"])
     exp = build(cfg, dataset)
     ckpt = Checkpointer(run_dir / "checkpoints", keep=cfg.keep_checkpoints)
-    restored = ckpt.restore_latest(exp.state)
+    restored = ckpt.restore_latest(_checkpoint_tree(exp, exp.state))
     if restored is None:
         if read_metrics_upto(run_dir / "metrics.jsonl", 1 << 62):
             ckpt.close()
@@ -330,8 +426,8 @@ def resume(run_dir: str | Path, overrides=(), *, force: bool = False,
                                "checkpoint to resume from"])
         # Killed before its first checkpoint was complete: nothing was lost but the start.
         log(f"{run_dir}: no complete checkpoint yet; starting the run from round 0")
-        ckpt.save(0, exp.state, _checkpoint_meta(cfg, 0, None))
-        restored = Restored(exp.state, _checkpoint_meta(cfg, 0, None), 0)
+        restored = Restored(_checkpoint_tree(exp, exp.state), _checkpoint_meta(cfg, 0, None), 0)
+        ckpt.save(0, restored.state, restored.meta)
     digest = restored.meta.get("config_digest")
     if digest != config_digest(cfg) and not force:
         ckpt.close()
@@ -344,23 +440,37 @@ def resume(run_dir: str | Path, overrides=(), *, force: bool = False,
     atomic_write_text(run_dir / "config.yaml", to_yaml(cfg))
     log(_describe(exp, run_dir))
     log(f"resuming from the checkpoint of round {done} (of {cfg.rounds})")
-    return _run(exp, run_dir, ckpt, restored.state, done, restored.meta.get("test_accuracy_ema"),
+    state = _from_checkpoint_tree(exp, restored.state)
+    return _run(exp, run_dir, ckpt, state, done, restored.meta.get("test_accuracy_ema"),
                 progress=progress, log=log)
+
+
+def load_run(run_dir: str | Path, *, dataset: ImageDataset | None = None):
+    """A run's experiment and its newest complete checkpoint.
+
+    Returns:
+      ``(experiment, restored)``; ``restored.state`` is what the checkpoint holds (the server
+      state, or ``{"server", "host"}`` with a host-memory client table).
+    """
+    run_dir = Path(run_dir)
+    _, cfg = _load_run_config(run_dir)
+    _join_cluster(cfg)
+    exp = build(cfg, dataset)
+    ckpt = Checkpointer(run_dir / "checkpoints", keep=cfg.keep_checkpoints)
+    try:
+        restored = ckpt.restore_latest(_checkpoint_tree(exp, exp.state))
+    finally:
+        ckpt.close()
+    if restored is None:
+        raise ConfigError([f"run_dir={str(run_dir)!r}: no complete checkpoint"])
+    return exp, restored
 
 
 def evaluate_run(run_dir: str | Path, *, dataset: ImageDataset | None = None) -> dict:
     """Evaluates a run's newest complete checkpoint on the full test set."""
-    run_dir = Path(run_dir)
-    _, cfg = _load_run_config(run_dir)
-    exp = build(cfg, dataset)
-    ckpt = Checkpointer(run_dir / "checkpoints", keep=cfg.keep_checkpoints)
-    try:
-        restored = ckpt.restore_latest(exp.state)
-    finally:
-        ckpt.close()
-    if restored is None:
-        raise ConfigError([f"run_dir={str(run_dir)!r}: no complete checkpoint to evaluate"])
-    ev = jax.device_get(exp.evaluate(restored.state.params, restored.state.model_state, exp.test))
+    exp, restored = load_run(run_dir, dataset=dataset)
+    state = _from_checkpoint_tree(exp, restored.state)
+    ev = to_host(exp.evaluate(state.params, state.model_state, exp.test))
     return {"run_dir": str(run_dir), "round": restored.step,
             "test_accuracy": float(ev["accuracy"]), "test_loss": float(ev["loss"]),
             "test_accuracy_ema": restored.meta.get("test_accuracy_ema")}

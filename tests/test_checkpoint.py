@@ -15,10 +15,9 @@ import jax
 import numpy as np
 import pytest
 
-from fedjax_rcl.checkpoint import Checkpointer
 from fedjax_rcl.cli import main
 from fedjax_rcl.config import ConfigError, load_config
-from fedjax_rcl.experiment import build, evaluate_run, resume, train
+from fedjax_rcl.experiment import evaluate_run, load_run, resume, train
 
 # Small and fast: 10 digits clients, 2 per round, one local epoch.
 TINY = ["dataset=digits", "num_clients=10", "participation=0.2", "local_epochs=1",
@@ -33,12 +32,7 @@ def _metrics(run_dir):
 
 
 def _final_state(run_dir):
-    cfg = load_config(str(Path(run_dir) / "config.yaml"))
-    exp = build(cfg)
-    ckpt = Checkpointer(Path(run_dir) / "checkpoints")
-    restored = ckpt.restore_latest(exp.state)
-    ckpt.close()
-    return restored
+    return load_run(run_dir)[1]
 
 
 def _assert_same_state(a, b):
@@ -165,3 +159,26 @@ def test_sigkill_at_random_moments_always_resumes_to_the_same_result(tmp_path):
         _assert_same_state(_final_state(run), expected_state)
     print(f"\nSIGKILL trials: {trials}, of which during a checkpoint save: {during_save}")
     assert during_save >= 3, f"only {during_save} of {trials} kills landed during a save"
+
+
+def test_host_memory_client_states_match_device_and_resume_exactly(tmp_path):
+    """MOON's table in host memory: same results as on device; stop/resume stays exact."""
+    base = [*TINY, "algorithm=moon", "rounds=4", "checkpoint_every=2"]
+    dev, host, cut = tmp_path / "dev", tmp_path / "host", tmp_path / "cut"
+    quiet = dict(progress=False, log=lambda s: None)
+    train(load_config(None, [*base, f"run_dir={dev}"]), **quiet)
+    train(load_config(None, [*base, "client_states=host", f"run_dir={host}"]), **quiet)
+    for a, b in zip(_metrics(dev), _metrics(host), strict=True):
+        assert a.keys() == b.keys()
+        for k in a:
+            assert a[k] == pytest.approx(b[k], rel=1e-5, abs=1e-6), k
+    dev_state, host_state = _final_state(dev), _final_state(host)
+    table_dev = jax.tree.leaves(dev_state.state.client_states)
+    table_host = jax.tree.leaves(host_state.state["host"])
+    for x, y in zip(table_dev, table_host, strict=True):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-6)
+    train(load_config(None, [*base, "client_states=host", "rounds=2", f"run_dir={cut}"]),
+          **quiet)
+    resume(cut, ["rounds=4"], **quiet)
+    assert _metrics(cut) == _metrics(host)
+    _assert_same_state(_final_state(cut), host_state)

@@ -52,17 +52,13 @@ def index_table(parts: Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
     return table, sizes
 
 
-def pack_clients(images: np.ndarray, labels: np.ndarray, parts: Sequence[np.ndarray],
-                 *, device=None) -> ClientData:
-    """Puts the training set and the partition on device (one transfer each)."""
+def pack_clients(images: np.ndarray, labels: np.ndarray,
+                 parts: Sequence[np.ndarray]) -> ClientData:
+    """The training set and the partition as host arrays; ``engine.sharding.put_replicated``
+    then places them on the devices (one transfer each)."""
     table, sizes = index_table(parts)
-    put = lambda x: jax.device_put(x, device)
-    return ClientData(
-        images=put(np.asarray(images, np.uint8)),
-        labels=put(np.asarray(labels, np.int32)),
-        client_indices=put(table),
-        client_sizes=put(sizes),
-    )
+    return ClientData(images=np.asarray(images, np.uint8), labels=np.asarray(labels, np.int32),
+                      client_indices=table, client_sizes=sizes)
 
 
 @struct.dataclass
@@ -80,8 +76,9 @@ class TestData:
     mask: jax.Array
 
 
-def pack_test(images: np.ndarray, labels: np.ndarray, batch_size: int, *, device=None) -> TestData:
-    """Pads the test set to a whole number of batches and puts it on device."""
+def pack_test(images: np.ndarray, labels: np.ndarray, batch_size: int) -> TestData:
+    """Pads the test set to a whole number of batches (host arrays, placed like
+    ``pack_clients``'s)."""
     n = len(labels)
     batch_size = min(batch_size, n)
     nb = -(-n // batch_size)
@@ -89,12 +86,8 @@ def pack_test(images: np.ndarray, labels: np.ndarray, batch_size: int, *, device
     imgs = np.concatenate([images, np.zeros((pad, *images.shape[1:]), images.dtype)])
     labs = np.concatenate([labels, np.zeros(pad, labels.dtype)]).astype(np.int32)
     mask = np.arange(nb * batch_size) < n
-    put = lambda x: jax.device_put(x, device)
-    return TestData(
-        images=put(imgs.reshape(nb, batch_size, *images.shape[1:])),
-        labels=put(labs.reshape(nb, batch_size)),
-        mask=put(mask.reshape(nb, batch_size)),
-    )
+    return TestData(images=imgs.reshape(nb, batch_size, *images.shape[1:]),
+                    labels=labs.reshape(nb, batch_size), mask=mask.reshape(nb, batch_size))
 
 
 __all__ = ["ClientData", "TestData", "index_table", "pack_clients", "pack_test"]

@@ -23,6 +23,8 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import struct
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from fedjax_rcl.algorithms.base import ClientAlgorithm
 from fedjax_rcl.data.device import ClientData
@@ -30,6 +32,8 @@ from fedjax_rcl.models.base import ModelState
 from fedjax_rcl.server.aggregate import client_weights, weighted_mean
 from fedjax_rcl.types import ClientState, Metrics, Params, PRNGKey
 
+# The mesh axis that clients are sharded over.
+CLIENTS = "clients"
 # Independent streams derived from the root key.
 _SAMPLING_STREAM, _CLIENT_STREAM, _INIT_STREAM = 0, 1, 2
 
@@ -87,45 +91,101 @@ def client_keys(key: PRNGKey, round_index: jax.Array, clients: jax.Array) -> jax
     return jax.vmap(lambda c: jax.random.fold_in(root, c))(clients)
 
 
+def cohort_layout(m: int, devices: int, clients_in_parallel: int | None) -> tuple[int, int]:
+    """How the ``m`` sampled clients are laid out: ``(groups, per_group)``.
+
+    ``per_group`` clients train side by side (``vmap``, sharded over ``devices``), the groups one
+    after another (``lax.map``), which bounds memory when clients are many or models large.
+    ``per_group`` is rounded up to a multiple of ``devices``; ``groups * per_group >= m``, and the
+    extra slots are padded clients that weigh 0 (STYLE #4).
+    """
+    k = m if not clients_in_parallel else min(clients_in_parallel, m)
+    k = -(-k // devices) * devices
+    return -(-m // k), k
+
+
 def make_round(local_update, server_opt: optax.GradientTransformation, *, num_clients: int,
-               participation: float, aggregation: str):
-    """Builds ``run_round(state, data) -> (state, metrics)`` (pure; jit it or fuse it).
+               participation: float, aggregation: str, mesh: Mesh | None = None,
+               clients_in_parallel: int | None = None, host_states: bool = False):
+    """Builds the round as a pure function (jit it, or fuse several with ``make_run_rounds``).
 
     Args:
       local_update: from ``engine.client.make_local_update``.
       server_opt: optax transformation applied to the pseudo-gradient.
       num_clients, participation: the population and the sampled fraction.
       aggregation: ``size`` or ``uniform`` client weights.
+      mesh: a mesh with a ``clients`` axis to shard the sampled clients over (None: one device).
+        The same code runs on one device, several, or several processes; only float
+        reassociation in the client mean differs.
+      clients_in_parallel: at most this many clients train at once (None: all sampled).
+      host_states: the per-client state table lives in host memory, outside the state; the
+        round then takes the sampled clients' rows and returns their new rows.
 
     Returns:
-      ``run_round``; its metrics are ``loss`` (mean over sampled clients), ``client_loss``
-      ``[m]``, ``clients`` ``[m]`` and the mean of each term the local objective reports.
+      ``run_round(state, data) -> (state, metrics)``, or with ``host_states``
+      ``run_round(state, data, rows) -> (state, metrics, new_rows)`` with ``rows`` the state
+      rows of ``sample_clients(state.key, state.round, num_clients, m)`` in that order. Metrics:
+      ``loss`` (mean over sampled clients), ``client_loss`` ``[m]``, ``clients`` ``[m]`` and
+      the mean of each term the local objective reports.
     """
     m = clients_per_round(num_clients, participation)
+    devices = 1 if mesh is None else mesh.shape[CLIENTS]
+    groups, per_group = cohort_layout(m, devices, clients_in_parallel)
+    padded = groups * per_group
     vmapped = jax.vmap(local_update, in_axes=(None, None, 0, 0, 0, 0, None, None))
 
-    def run_round(state: ServerState, data: ClientData) -> tuple[ServerState, Metrics]:
-        clients = sample_clients(state.key, state.round, num_clients, m)
-        keys = client_keys(state.key, state.round, clients)
-        rows = jax.tree.map(lambda t: t[clients], state.client_states)
-        sizes = data.client_sizes[clients]
-        trained, trained_ms, new_rows, client_metrics = vmapped(
-            state.params, state.model_state, rows, keys, data.client_indices[clients], sizes,
-            state.round, data
-        )
-        weights = client_weights(sizes, aggregation)
+    def spread(x, spec):
+        return x if mesh is None else jax.lax.with_sharding_constraint(
+            x, NamedSharding(mesh, spec))
+
+    def train_clients(state, data, clients, rows):
+        """Local training of ``padded`` clients: ``[padded]`` ids -> ``[padded, ...]``."""
+        xs = (rows, client_keys(state.key, state.round, clients),
+              data.client_indices[clients], data.client_sizes[clients])
+
+        def run(group):
+            rows, keys, idx, sizes = group
+            return vmapped(state.params, state.model_state, rows, keys, idx, sizes,
+                           state.round, data)
+
+        if groups == 1:
+            return run(jax.tree.map(lambda x: spread(x, P(CLIENTS)), xs))
+        xs = jax.tree.map(lambda x: spread(x.reshape(groups, per_group, *x.shape[1:]),
+                                           P(None, CLIENTS)), xs)
+        out = jax.lax.map(run, xs)
+        return jax.tree.map(lambda x: x.reshape(padded, *x.shape[2:]), out)
+
+    def round_with_rows(state: ServerState, data: ClientData, rows):
+        sampled = sample_clients(state.key, state.round, num_clients, m)
+        valid = jnp.arange(padded) < m
+        clients = jnp.zeros((padded,), jnp.int32).at[:m].set(sampled)  # pads train client 0
+        rows = jax.tree.map(  # padded slots train copies of the first sampled client's row
+            lambda r: jnp.concatenate([r, jnp.broadcast_to(r[:1], (padded - m, *r.shape[1:]))])
+            if padded > m else r, rows)
+        trained, trained_ms, new_rows, client_metrics = train_clients(state, data, clients, rows)
+        weights = jnp.where(valid, client_weights(data.client_sizes[clients], aggregation), 0.0)
         mean_params = weighted_mean(trained, weights)
         pseudo_grad = jax.tree.map(jnp.subtract, state.params, mean_params)
         updates, opt_state = server_opt.update(pseudo_grad, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        table = jax.tree.map(lambda t, r: t.at[clients].set(r), state.client_states, new_rows)
-        metrics = {k: jnp.mean(v) for k, v in client_metrics.items()}
-        metrics["client_loss"] = client_metrics["loss"]
-        metrics["clients"] = clients
+        metrics = {k: jnp.sum(jnp.where(valid, v, 0.0)) / m for k, v in client_metrics.items()}
+        metrics["client_loss"] = client_metrics["loss"][:m]
+        metrics["clients"] = sampled
+        if mesh is not None:  # every process reads the metrics
+            metrics = jax.tree.map(lambda x: spread(x, P()), metrics)
         new_state = state.replace(params=params, model_state=weighted_mean(trained_ms, weights),
-                                  opt_state=opt_state, client_states=table,
-                                  round=state.round + 1)
-        return new_state, metrics
+                                  opt_state=opt_state, round=state.round + 1)
+        return new_state, metrics, jax.tree.map(lambda r: r[:m], new_rows)
+
+    if host_states:
+        return round_with_rows
+
+    def run_round(state: ServerState, data: ClientData) -> tuple[ServerState, Metrics]:
+        sampled = sample_clients(state.key, state.round, num_clients, m)
+        rows = jax.tree.map(lambda t: t[sampled], state.client_states)
+        new_state, metrics, new_rows = round_with_rows(state, data, rows)
+        table = jax.tree.map(lambda t, r: t.at[sampled].set(r), state.client_states, new_rows)
+        return new_state.replace(client_states=table), metrics
 
     return run_round
 

@@ -1,0 +1,318 @@
+"""Seconds per round and client-parallel scaling of the compiled round, against the same round
+run client by client (a Python loop over the jitted local update) and against a PyTorch eager
+implementation of the same client update (``tools/torch_reference.py``).
+
+    pip install -e ".[bench]"          # PyTorch 2.13 (CPU), only for this benchmark
+    python tools/bench_round.py        # full table (CNN and ResNet-18), appended to BENCHMARKS.md
+    python tools/bench_round.py --quick --no-append
+
+Every configuration runs in a fresh subprocess, so its peak memory (max RSS) is its own. FLOP/s
+come from analytic counts — XLA's cost analysis of one forward pass outside any loop, times 3
+for forward + backward (+2 forwards for MOON's frozen models) — because XLA's cost analysis of
+the round counts a loop body once. The matmul peak is measured in the same run.
+
+Sizes: the CNN runs the paper's local work (5 epochs of 10 steps, batch 50, per client). ResNet-18
+costs about 1.6 s per client-step on 2 CPU cores, so its round is cut to 2 local steps per client
+(one epoch of 100 samples) and compared per client-step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_CLIENTS = (1, 5, 10, 20, 50)
+
+
+def _setup(model: str):
+    """Local work per client: (samples per client, local epochs)."""
+    return (500, 5) if model == "cnn" else (100, 1)
+
+
+def _fake_cifar(n: int):
+    import numpy as np
+
+    from fedjax_rcl.data import ImageDataset
+
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, 256, (n, 32, 32, 3), dtype=np.uint8)
+    y = (np.arange(n) % 10).astype(np.int32)
+    test_n = 2000
+    return ImageDataset("fake-cifar", x, y, x[:test_n], y[:test_n],
+                        tuple(map(str, range(10))), (0.49, 0.48, 0.45), (0.2, 0.2, 0.2), True)
+
+
+def matmul_peak_gflops(n: int = 2048, repeats: int = 5) -> float:
+    import jax
+    import jax.numpy as jnp
+
+    a = jnp.ones((n, n), jnp.float32)
+    f = jax.jit(lambda a: a @ a)
+    f(a).block_until_ready()
+    best = min(_timed(lambda: f(a).block_until_ready()) for _ in range(repeats))
+    return 2 * n**3 / best / 1e9
+
+
+def _timed(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def forward_flops_per_image(model, params, model_state, image_shape) -> float:
+    """XLA's flop count of one forward pass on one image (no loops inside)."""
+    import jax
+    import numpy as np
+
+    x = np.zeros((1, *image_shape), np.float32)
+    f = jax.jit(lambda p, s, x: model.apply(p, s, x, train=True)[0].logits)
+    cost = f.lower(params, model_state, x).compile().cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    return float(cost["flops"])
+
+
+def worker(spec: dict) -> dict:
+    """Measures one configuration in this process (``spec``: model, algorithm, clients, mode)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from fedjax_rcl.config import Config
+    from fedjax_rcl.experiment import build
+
+    model, algorithm, clients, mode = (spec["model"], spec["algorithm"], spec["clients"],
+                                       spec["mode"])
+    per_client, epochs = _setup(model)
+    num_clients = max(clients, 100)
+    batch = 50
+    steps = epochs * per_client // batch
+    out = {**spec, "steps": steps, "batch": batch}
+    if mode == "torch":
+        sys.path.insert(0, str(ROOT / "tools"))
+        import torch_reference
+
+        data = _fake_cifar(num_clients * per_client)
+        r = torch_reference.round_seconds(model, algorithm, clients=clients, steps=steps,
+                                          batch=batch, data=data,
+                                          repeats=spec.get("repeats", 2))
+        out.update(round_s=r["round_s"], compile_s=0.0)
+    else:
+        cfg = Config(dataset="fake", model=model, algorithm=algorithm, num_clients=num_clients,
+                     participation=clients / num_clients, partition="iid", local_epochs=epochs,
+                     batch_size=batch, eval_every=1, clients_in_parallel=spec.get("chunk", 0))
+        exp = build(cfg, _fake_cifar(num_clients * per_client))
+        out["fwd_flops_per_image"] = forward_flops_per_image(
+            exp.model, exp.state.params, exp.state.model_state, exp.dataset.image_shape)
+        if mode == "vmap":
+            t0 = time.perf_counter()
+            one = jnp.int32(1)
+            step = exp.run_rounds.lower(exp.state, exp.data, one).compile()
+            out["compile_s"] = time.perf_counter() - t0
+            state = exp.state
+            state, _ = step(state, exp.data, one)  # warm-up
+            jax.block_until_ready(state)
+            times = []
+            for _ in range(spec.get("repeats", 2)):
+                t = time.perf_counter()
+                state, _ = step(state, exp.data, one)
+                jax.block_until_ready(state)
+                times.append(time.perf_counter() - t)
+            out["round_s"] = statistics.median(times)
+        else:  # sequential: a Python loop over the same jitted local update
+            from fedjax_rcl.engine.round import client_keys, sample_clients
+            from fedjax_rcl.server import weighted_mean
+
+            local = jax.jit(exp.local_update)
+            mean = jax.jit(lambda trees, w: weighted_mean(trees, w))
+            state = exp.state
+
+            def one_round():
+                ids = sample_clients(state.key, state.round, num_clients, clients)
+                keys = client_keys(state.key, state.round, ids)
+                trained = []
+                for j in range(clients):
+                    c = ids[j]
+                    row = jax.tree.map(lambda t, c=c: t[c], state.client_states)
+                    p, _, _, _ = local(state.params, state.model_state, row, keys[j],
+                                       exp.data.client_indices[c], exp.data.client_sizes[c],
+                                       state.round, exp.data)
+                    trained.append(p)
+                stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *trained)
+                return jax.block_until_ready(mean(stacked, jnp.ones((clients,))))
+
+            t0 = time.perf_counter()
+            one_round()
+            out["compile_s"] = time.perf_counter() - t0  # includes one round of work
+            out["round_s"] = statistics.median(
+                _timed(one_round) for _ in range(spec.get("repeats", 2)))
+    out["peak_rss_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    out["client_steps_per_s"] = clients * steps / out["round_s"]
+    return out
+
+
+def run_worker(spec: dict, timeout: float) -> dict | None:
+    cmd = [sys.executable, __file__, "--worker", json.dumps(spec)]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        print(f"  timed out: {spec}", flush=True)
+        return None
+    if proc.returncode != 0:
+        print(f"  failed: {spec}\n{proc.stderr[-2000:]}", flush=True)
+        return None
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def torch_available() -> bool:
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def machine() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    import jax
+
+    return (f"{cpu}, {os.cpu_count()} cores, {jax.default_backend()}, jax {jax.__version__}, "
+            f"Python {platform.python_version()}")
+
+
+def table(rows: list[dict], peak: float) -> str:
+    head = ("| model | algorithm | clients | mode | steps/client | s/round | client-steps/s | "
+            "compile s | peak RSS GB | GFLOP/s | % of matmul peak |\n"
+            "|---|---|---|---|---|---|---|---|---|---|---|")
+    lines = [head]
+    for r in rows:
+        fwd = r.get("fwd_flops_per_image")
+        mult = 5 if r["algorithm"] == "moon" else 3
+        gflops = (fwd * mult * r["batch"] * r["steps"] * r["clients"] / r["round_s"] / 1e9
+                  if fwd else float("nan"))
+        lines.append(
+            f"| {r['model']} | {r['algorithm']} | {r['clients']} | {r['mode']} | {r['steps']} | "
+            f"{r['round_s']:.3f} | {r['client_steps_per_s']:.1f} | {r['compile_s']:.1f} | "
+            f"{r['peak_rss_gb']:.2f} | {gflops:.1f} | {100 * gflops / peak:.0f}% |")
+    return "\n".join(lines)
+
+
+def ratios(rows: list[dict]) -> list[str]:
+    """Speed of the compiled round relative to the other two, same model/algorithm/clients."""
+    by = {(r["model"], r["algorithm"], r["clients"], r["mode"]): r for r in rows}
+    out = []
+    for (model, alg, clients, mode), r in sorted(by.items()):
+        if mode != "vmap":
+            continue
+        for other in ("sequential", "torch"):
+            o = by.get((model, alg, clients, other))
+            if o:
+                out.append(f"- {model} {alg}, {clients} clients: compiled round is "
+                           f"{o['round_s'] / r['round_s']:.2f}x the speed of {other}")
+        base = by.get((model, alg, 5, "vmap"))
+        if base and clients != 5:
+            out.append(f"- {model} {alg}: client-steps/s with {clients} vmapped clients = "
+                       f"{r['client_steps_per_s'] / base['client_steps_per_s']:.2f}x that with 5")
+    return out
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, model in zip(axes, ("cnn", "resnet18"), strict=True):
+        for alg in sorted({r["algorithm"] for r in rows}):
+            for mode, style in (("vmap", "-o"), ("sequential", "--s"), ("torch", ":^")):
+                pts = sorted((r["clients"], r["client_steps_per_s"]) for r in rows
+                             if r["model"] == model and r["algorithm"] == alg
+                             and r["mode"] == mode)
+                if pts:
+                    ax.plot(*zip(*pts, strict=True), style, label=f"{alg} {mode}")
+        ax.set_xscale("log")
+        ax.set_xlabel("clients per round")
+        ax.set_ylabel("client-steps / s")
+        ax.set_title(model)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    ap.add_argument("--models", nargs="+", default=["cnn", "resnet18"])
+    ap.add_argument("--algorithms", nargs="+", default=["fedavg", "fedrcl", "moon"])
+    ap.add_argument("--clients", nargs="+", type=int, default=None)
+    ap.add_argument("--modes", nargs="+", default=["vmap", "sequential", "torch"])
+    ap.add_argument("--quick", action="store_true", help="CNN only, 1 and 5 clients")
+    ap.add_argument("--no-append", action="store_true")
+    ap.add_argument("--timeout", type=float, default=3600)
+    args = ap.parse_args()
+    if args.worker:
+        print(json.dumps(worker(json.loads(args.worker))))
+        return
+    if args.quick:
+        args.models, args.clients = ["cnn"], [1, 5]
+    modes = [m for m in args.modes if m != "torch" or torch_available()]
+    if "torch" in args.modes and "torch" not in modes:
+        print("PyTorch not installed (pip install -e '.[bench]'): skipping the torch rows")
+    peak = matmul_peak_gflops()
+    print(f"matmul peak: {peak:.0f} GFLOP/s", flush=True)
+    rows = []
+    for model in args.models:
+        clients_list = args.clients or (DEFAULT_CLIENTS if model == "cnn" else (1, 5, 10))
+        for alg in args.algorithms:
+            for clients in clients_list:
+                for mode in modes:
+                    if mode != "vmap" and clients not in (1, 5):
+                        continue  # the loops scale linearly; 1 and 5 clients say it all
+                    spec = {"model": model, "algorithm": alg, "clients": clients,
+                            "mode": mode, "repeats": 2}
+                    r = run_worker(spec, args.timeout)
+                    if r:
+                        rows.append(r)
+                        print(f"  {model} {alg} {clients} {mode}: {r['round_s']:.2f} s/round, "
+                              f"{r['client_steps_per_s']:.1f} client-steps/s, "
+                              f"compile {r['compile_s']:.1f} s, {r['peak_rss_gb']:.2f} GB",
+                              flush=True)
+    text = table(rows, peak)
+    notes = ratios(rows)
+    print(text)
+    print("\n".join(notes))
+    plot_path = ROOT / "benchmarks" / "round_scaling.png"
+    plot(rows, plot_path)
+    (ROOT / "benchmarks").mkdir(exist_ok=True)
+    (ROOT / "benchmarks" / f"round-{time.strftime('%Y%m%d-%H%M%S')}.json").write_text(
+        json.dumps({"machine": machine(), "matmul_peak_gflops": peak, "rows": rows}, indent=1))
+    if not args.no_append:
+        with open(ROOT / "BENCHMARKS.md", "a") as f:
+            f.write(f"\n## Round speed ({time.strftime('%Y-%m-%d')}; {machine()})\n\n"
+                    f"`python tools/bench_round.py {' '.join(sys.argv[1:])}`; matmul peak "
+                    f"{peak:.0f} GFLOP/s measured in the same run. Plot: "
+                    "`benchmarks/round_scaling.png`.\n\n" + text + "\n\n" + "\n".join(notes)
+                    + "\n")
+
+
+if __name__ == "__main__":
+    main()
