@@ -110,7 +110,8 @@ class Config:
     aggregation: str = "size"  # size | uniform
     augment: bool = True  # rotation, crop, flip during local training
     eval_every: int = 1  # rounds between evaluations (the rounds in between are fused)
-    checkpoint_every: int = 10  # rounds between checkpoints (a multiple of eval_every; 0: end)
+    # Save at the first evaluation at least this many rounds after the last save (0: at the end).
+    checkpoint_every: int = 10
     keep_checkpoints: int = 3  # newest checkpoints kept
     eval_batch_size: int = 500
     ema_decay: float = 0.9
@@ -295,10 +296,8 @@ def validate(cfg: Config, *, check_data: bool = True) -> None:
            f"allowed: {', '.join(AGGREGATIONS)}")
     _check(p, cfg.eval_every >= 1, "eval_every", cfg.eval_every, "must be >= 1")
     _check(p, cfg.eval_batch_size >= 1, "eval_batch_size", cfg.eval_batch_size, "must be >= 1")
-    _check(p, cfg.checkpoint_every >= 0 and (
-        cfg.eval_every < 1 or cfg.checkpoint_every % cfg.eval_every == 0),
-        "checkpoint_every", cfg.checkpoint_every,
-        f"must be a multiple of eval_every={cfg.eval_every} (0: only at the end)")
+    _check(p, cfg.checkpoint_every >= 0, "checkpoint_every", cfg.checkpoint_every,
+           "must be >= 0 (0: only at the end)")
     _check(p, cfg.keep_checkpoints >= 1, "keep_checkpoints", cfg.keep_checkpoints, "must be >= 1")
     _check(p, finite(cfg.ema_decay) and 0 <= cfg.ema_decay < 1, "ema_decay", cfg.ema_decay,
            "must be in [0, 1)")

@@ -317,7 +317,7 @@ def _run(exp: Experiment, run_dir: Path, ckpt: Checkpointer, state: ServerState,
     cfg = exp.cfg
     advance, evaluate, compile_s = _compile(exp, log)
     record: dict = {}
-    start, first = time.perf_counter(), done
+    start, first, last_saved = time.perf_counter(), done, done
     bar = tqdm(total=cfg.rounds, initial=done, unit="round",
                disable=not progress or not is_primary(), dynamic_ncols=True)
     try:
@@ -342,8 +342,11 @@ def _run(exp: Experiment, run_dir: Path, ckpt: Checkpointer, state: ServerState,
                 if out is not None:
                     out.write(json.dumps(record) + "\n")
                     out.flush()
+                # Checkpoints land on evaluation boundaries, so a resumed run's metrics lines
+                # line up with the uninterrupted run's.
                 if done == cfg.rounds or (cfg.checkpoint_every
-                                          and done % cfg.checkpoint_every == 0):
+                                          and done - last_saved >= cfg.checkpoint_every):
+                    last_saved = done
                     ckpt.save(done, _checkpoint_tree(exp, state),
                               _checkpoint_meta(cfg, done, acc_ema))
                 bar.update(n)

@@ -100,7 +100,7 @@ def test_subprocess_exit_status_and_no_traceback():
 def test_tiny_run_beats_chance(tmp_path, capsys):
     """Digits (10 classes, chance 0.1), a few rounds: clearly better than chance."""
     run = tmp_path / "run"
-    status = main(["train", "dataset=digits", "rounds=12", "num_clients=10",
+    status = main(["train", "dataset=digits", "algorithm=fedavg", "rounds=12", "num_clients=10",
                    "participation=0.5", "local_epochs=2", "partition=iid", "eval_every=4",
                    f"run_dir={run}", "--no-progress"])
     assert status == 0

@@ -84,7 +84,6 @@ def worker(spec: dict) -> dict:
     """Measures one configuration in this process (``spec``: model, algorithm, clients, mode)."""
     import jax
     import jax.numpy as jnp
-    import numpy as np
 
     from fedjax_rcl.config import Config
     from fedjax_rcl.experiment import build
