@@ -273,9 +273,19 @@ def main():
     ap.add_argument("--quick", action="store_true", help="CNN only, 1 and 5 clients")
     ap.add_argument("--no-append", action="store_true")
     ap.add_argument("--timeout", type=float, default=3600)
+    ap.add_argument("--replot", nargs="+", metavar="JSON",
+                    help="redraw benchmarks/round_scaling.png from saved results and exit "
+                         "(later files replace earlier rows of the same configuration)")
     args = ap.parse_args()
     if args.worker:
         print(json.dumps(worker(json.loads(args.worker))))
+        return
+    if args.replot:
+        merged = {}
+        for path in args.replot:
+            for r in json.loads(Path(path).read_text())["rows"]:
+                merged[(r["model"], r["algorithm"], r["clients"], r["mode"])] = r
+        plot(list(merged.values()), ROOT / "benchmarks" / "round_scaling.png")
         return
     if args.quick:
         args.models, args.clients = ["cnn"], [1, 5]
@@ -305,9 +315,9 @@ def main():
     notes = ratios(rows)
     print(text)
     print("\n".join(notes))
-    plot_path = ROOT / "benchmarks" / "round_scaling.png"
-    plot(rows, plot_path)
     (ROOT / "benchmarks").mkdir(exist_ok=True)
+    if not args.no_append:  # the plot goes with the table in BENCHMARKS.md
+        plot(rows, ROOT / "benchmarks" / "round_scaling.png")
     (ROOT / "benchmarks" / f"round-{time.strftime('%Y%m%d-%H%M%S')}.json").write_text(
         json.dumps({"machine": machine(), "matmul_peak_gflops": peak, "rows": rows}, indent=1))
     if not args.no_append:
