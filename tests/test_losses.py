@@ -23,29 +23,15 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib.util
 import math
-import pathlib
-import sys
 import zlib
 from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+import loss_reference as ref  # tests/ is on sys.path (pytest rootdir conftest)
 import numpy as np
 import pytest
-
-
-def _load_reference():
-    path = pathlib.Path(__file__).with_name("loss_reference.py")
-    spec = importlib.util.spec_from_file_location("_fedjax_rcl_loss_reference", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-ref = _load_reference()
 
 RTOL = 1e-6
 MODES = ("eager", "jit")

@@ -10,27 +10,13 @@ gradient of ``sum(w * twin_norm(x))`` for a fixed random ``w`` against finite di
 from __future__ import annotations
 
 import functools
-import importlib.util
-import pathlib
-import sys
 import zlib
 
 import jax
 import jax.numpy as jnp
+import loss_reference as ref  # tests/ is on sys.path (pytest rootdir conftest)
 import numpy as np
 import pytest
-
-
-def _load_reference():
-    path = pathlib.Path(__file__).with_name("loss_reference.py")
-    spec = importlib.util.spec_from_file_location("_fedjax_rcl_loss_reference", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-ref = _load_reference()
 
 RTOL = 1e-6
 MODES = ("eager", "jit")
