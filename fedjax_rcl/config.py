@@ -115,7 +115,7 @@ class Config:
     keep_checkpoints: int = 3  # newest checkpoints kept
     eval_batch_size: int = 500
     ema_decay: float = 0.9
-    conv_impl: str = "auto"  # auto (patches on CPU, native on GPU/TPU) | patches | native
+    conv_impl: str = "auto"  # auto (cpu on CPU, native on GPU/TPU) | cpu | patches | rows | native
     devices: int = 1  # devices the sampled clients are sharded over (0: every device)
     clients_in_parallel: int = 0  # clients trained side by side (0: all sampled at once)
     client_states: str = "device"  # device | host: where the per-client state table lives

@@ -27,7 +27,7 @@ def get_model(name: str, *, num_classes: int, conv_impl: str = "auto", norm: str
     Args:
       name: one of ``MODELS``.
       num_classes: size of the classifier output.
-      conv_impl: ``"auto" | "patches" | "native"`` (see ``fedjax_rcl.nn.conv``).
+      conv_impl: ``"auto" | "cpu" | "patches" | "rows" | "native"`` (see ``fedjax_rcl.nn.conv``).
       norm: normalization kind for models that have one (the CNN has none).
       projection_dim: add a MOON projection head with this output size.
     """

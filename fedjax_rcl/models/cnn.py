@@ -12,6 +12,7 @@ import jax
 
 from fedjax_rcl.models.base import ModelOutput, ProjectionHead, spatial_mean
 from fedjax_rcl.nn.conv import torch_conv, torch_dense
+from fedjax_rcl.nn.pool import max_pool
 
 
 class SmallCNN(nn.Module):
@@ -19,7 +20,7 @@ class SmallCNN(nn.Module):
 
     Attributes:
       num_classes: output classes.
-      conv_impl: ``"auto" | "patches" | "native"`` (see ``fedjax_rcl.nn.conv``).
+      conv_impl: ``"auto" | "cpu" | "patches" | "rows" | "native"`` (see ``fedjax_rcl.nn.conv``).
       projection_dim: output size of a MOON projection head on the embedding; None: no head.
     """
 
@@ -34,7 +35,7 @@ class SmallCNN(nn.Module):
         for i, width in enumerate((6, 16)):
             x = torch_conv(x.shape[-1], width, 5, conv_impl=self.conv_impl, name=f"conv{i + 1}")(x)
             levels.append(x)
-            x = nn.max_pool(nn.relu(x), (2, 2), strides=(2, 2))
+            x = max_pool(nn.relu(x), 2)
         x = x.reshape(x.shape[0], -1)
         for i, width in enumerate((120, 84)):
             x = torch_dense(x.shape[-1], width, name=f"fc{i + 1}")(x)

@@ -50,7 +50,7 @@ class ResNet(nn.Module):
       stage_sizes: blocks per stage, ``(2, 2, 2, 2)`` for ResNet-18, ``(3, 4, 6, 3)`` for 34.
       widths: channels per stage.
       norm: normalization kind (``fedjax_rcl.nn.norm.NORMS``).
-      conv_impl: ``"auto" | "patches" | "native"``.
+      conv_impl: ``"auto" | "cpu" | "patches" | "rows" | "native"``.
       projection_dim: output size of a MOON projection head on the embedding; None: no head.
     """
 

@@ -1,13 +1,16 @@
-"""Layers: the patch convolution, PyTorch-style conv/dense factories, normalizations."""
+"""Layers: patch and row convolutions, max-pooling, PyTorch-style factories, normalizations."""
 
 from fedjax_rcl.nn.conv import (
     CONV_IMPLS,
+    cpu_conv_general_dilated,
     patch_conv_general_dilated,
     resolve_conv_impl,
+    row_conv_general_dilated,
     torch_conv,
     torch_dense,
 )
 from fedjax_rcl.nn.norm import NORMS, Norm
+from fedjax_rcl.nn.pool import max_pool
 from fedjax_rcl.nn.twin_norm import TwinNorm, twin_norm
 
 __all__ = [
@@ -15,8 +18,11 @@ __all__ = [
     "NORMS",
     "TwinNorm",
     "Norm",
+    "cpu_conv_general_dilated",
+    "max_pool",
     "patch_conv_general_dilated",
     "resolve_conv_impl",
+    "row_conv_general_dilated",
     "torch_conv",
     "torch_dense",
     "twin_norm",

@@ -7,6 +7,10 @@ Written as ``k*k`` shifted strided slices concatenated along channels ("patches"
 the same convolution is a plain GEMM inside ``scan`` and a batched GEMM under ``vmap``: on a 2-core
 CPU a MOON-CNN client step dropped from 70 ms to 11 ms (see ``../shared/NOTES.md``). On GPU/TPU the
 native convolution is the right choice; ``resolve_conv_impl("auto")`` picks by platform.
+
+A third form, whole image rows times a banded weight matrix (``row_conv_general_dilated``), is
+faster than patches for layers with few input channels; on CPU ``"auto"`` picks one of the two per
+layer (``prefers_rows``).
 """
 
 from __future__ import annotations
@@ -17,9 +21,61 @@ from collections.abc import Sequence
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
-CONV_IMPLS = ("auto", "patches", "native")
+CONV_IMPLS = ("auto", "cpu", "patches", "rows", "native")
+
+
+def _check(lhs, rhs, window_strides, padding, lhs_dilation, rhs_dilation, dimension_numbers,
+           feature_group_count, batch_group_count, what):
+    """Checks what the convolutions here support; returns explicit padding."""
+    if lhs.ndim != 4 or rhs.ndim != 4:
+        raise ValueError(f"{what} convolution is 2-D only; got lhs {lhs.shape}, rhs {rhs.shape}")
+    if feature_group_count != 1 or batch_group_count != 1:
+        raise ValueError(f"{what} convolution does not support grouped convolutions")
+    for name, dil in (("lhs_dilation", lhs_dilation), ("rhs_dilation", rhs_dilation)):
+        if dil is not None and any(d != 1 for d in dil):
+            raise ValueError(f"{what} convolution does not support {name}={tuple(dil)}")
+    if dimension_numbers is not None:
+        dn = lax.conv_dimension_numbers(lhs.shape, rhs.shape, dimension_numbers)
+        if tuple(dn.lhs_spec) != (0, 3, 1, 2) or tuple(dn.rhs_spec) != (3, 2, 0, 1):
+            raise ValueError(f"{what} convolution expects NHWC x HWIO, got {dimension_numbers}")
+    kh, kw, cin, _ = rhs.shape
+    if lhs.shape[-1] != cin:
+        raise ValueError(f"input has {lhs.shape[-1]} channels, kernel expects {cin}")
+    if isinstance(padding, str):
+        padding = lax.padtype_to_pads(lhs.shape[1:3], (kh, kw), tuple(window_strides), padding)
+    padding = tuple((int(lo), int(hi)) for lo, hi in padding)
+    for axis, k, s, (lo, hi) in ((1, kh, window_strides[0], padding[0]),
+                                 (2, kw, window_strides[1], padding[1])):
+        if (lhs.shape[axis] + lo + hi - k) // s + 1 <= 0:
+            raise ValueError(f"kernel {kh}x{kw} does not fit the padded input "
+                             f"{lhs.shape[1] + sum(padding[0])}x{lhs.shape[2] + sum(padding[1])}")
+    return padding
+
+
+def _prepare(lhs, rhs, window_strides, padding, *check_args):
+    """``_check``, then the padded input and the output size."""
+    (ph0, ph1), (pw0, pw1) = _check(lhs, rhs, window_strides, padding, *check_args)
+    kh, kw = rhs.shape[:2]
+    sh, sw = window_strides
+    x = jnp.pad(lhs, ((0, 0), (ph0, ph1), (pw0, pw1), (0, 0)))
+    ho, wo = (x.shape[1] - kh) // sh + 1, (x.shape[2] - kw) // sw + 1
+    return x, ho, wo
+
+
+def _patches(x: jax.Array, kh: int, kw: int, strides: Sequence[int], ho: int, wo: int):
+    """``[B, H_pad, W_pad, C] -> [B, H_out, W_out, k_h k_w C]``, taps in HWIO order."""
+    sh, sw = strides
+    b, _, _, cin = x.shape
+    cols = [
+        lax.slice(x, (0, p, q, 0), (b, p + sh * (ho - 1) + 1, q + sw * (wo - 1) + 1, cin),
+                  (1, sh, sw, 1))
+        for p in range(kh)
+        for q in range(kw)
+    ]
+    return cols[0] if len(cols) == 1 else jnp.concatenate(cols, axis=-1)
 
 
 def patch_conv_general_dilated(
@@ -60,41 +116,10 @@ def patch_conv_general_dilated(
     Returns:
       ``[B, H_out, W_out, C_out]``.
     """
-    if lhs.ndim != 4 or rhs.ndim != 4:
-        raise ValueError(f"patch convolution is 2-D only; got lhs {lhs.shape}, rhs {rhs.shape}")
-    if feature_group_count != 1 or batch_group_count != 1:
-        raise ValueError("patch convolution does not support grouped convolutions")
-    for name, dil in (("lhs_dilation", lhs_dilation), ("rhs_dilation", rhs_dilation)):
-        if dil is not None and any(d != 1 for d in dil):
-            raise ValueError(f"patch convolution does not support {name}={tuple(dil)}")
-    if dimension_numbers is not None:
-        dn = lax.conv_dimension_numbers(lhs.shape, rhs.shape, dimension_numbers)
-        if tuple(dn.lhs_spec) != (0, 3, 1, 2) or tuple(dn.rhs_spec) != (3, 2, 0, 1):
-            raise ValueError(f"patch convolution expects NHWC x HWIO, got {dimension_numbers}")
-
+    x, ho, wo = _prepare(lhs, rhs, window_strides, padding, lhs_dilation, rhs_dilation,
+                         dimension_numbers, feature_group_count, batch_group_count, "patch")
     kh, kw, cin, cout = rhs.shape
-    if lhs.shape[-1] != cin:
-        raise ValueError(f"input has {lhs.shape[-1]} channels, kernel expects {cin}")
-    sh, sw = window_strides
-    if isinstance(padding, str):
-        padding = lax.padtype_to_pads(lhs.shape[1:3], (kh, kw), (sh, sw), padding)
-    (ph0, ph1), (pw0, pw1) = padding
-    x = jnp.pad(lhs, ((0, 0), (ph0, ph1), (pw0, pw1), (0, 0)))
-    hp, wp = x.shape[1], x.shape[2]
-    ho, wo = (hp - kh) // sh + 1, (wp - kw) // sw + 1
-    if ho <= 0 or wo <= 0:
-        raise ValueError(f"kernel {kh}x{kw} does not fit the padded input {hp}x{wp}")
-    cols = [
-        lax.slice(
-            x,
-            (0, p, q, 0),
-            (x.shape[0], p + sh * (ho - 1) + 1, q + sw * (wo - 1) + 1, cin),
-            (1, sh, sw, 1),
-        )
-        for p in range(kh)
-        for q in range(kw)
-    ]
-    patches = cols[0] if len(cols) == 1 else jnp.concatenate(cols, axis=-1)
+    patches = _patches(x, kh, kw, window_strides, ho, wo)
     return jnp.dot(
         patches,
         rhs.reshape(kh * kw * cin, cout),
@@ -103,19 +128,106 @@ def patch_conv_general_dilated(
     )
 
 
+def _column_selector(kw: int, wp: int, wo: int, sw: int) -> np.ndarray:
+    """``S[q, x, j] = 1`` iff input column ``x`` feeds output column ``j`` through tap ``q``."""
+    sel = np.zeros((kw, wp, wo), np.float32)
+    for q in range(kw):
+        sel[q, sw * np.arange(wo) + q, np.arange(wo)] = 1.0
+    return sel
+
+
+def row_conv_general_dilated(
+    lhs: jax.Array,
+    rhs: jax.Array,
+    window_strides: Sequence[int],
+    padding: str | Sequence[tuple[int, int]],
+    lhs_dilation: Sequence[int] | None = None,
+    rhs_dilation: Sequence[int] | None = None,
+    dimension_numbers=None,
+    feature_group_count: int = 1,
+    batch_group_count: int = 1,
+    precision=None,
+    preferred_element_type=None,
+) -> jax.Array:
+    """The same convolution as whole image rows times a banded (Toeplitz) weight matrix.
+
+    Each output row ``i`` is a function of ``k_h`` whole padded input rows, each flattened to
+    ``W_pad * C_in`` numbers:
+
+    .. math::
+        y[b, i, (j, o)] = \\sum_{p} x_{pad}[b, s_h i + p, (x, c)] \\, T_p[(x, c), (j, o)],
+        \\qquad T_p[(x, c), (j, o)] = \\sum_q [x = s_w j + q] \\, w[p, q, c, o].
+
+    The banded matrix ``T`` is built from the kernel by one small einsum with a constant 0/1
+    selector, so gradients flow back to ``w`` through it. Why: with few input channels, the
+    patch convolution's ``k_h k_w`` strided copies have a minor dimension of ``C_in`` floats and
+    XLA:CPU copies them slowly (MOON's conv1: 25 copies with 3-channel rows, ~4 ms of a ~9 ms
+    step), and its matmul has only ``C_out`` columns. Here the only copies are ``k_h`` slices of
+    whole rows and the matmul has ``W_out * C_out`` columns; the price is ``W_pad / k_w`` times
+    the multiply-adds (zeros of the band), so it only pays for narrow inputs (see
+    ``cpu_conv_general_dilated``). Same arguments and support as ``patch_conv_general_dilated``.
+    """
+    x, ho, wo = _prepare(lhs, rhs, window_strides, padding, lhs_dilation, rhs_dilation,
+                         dimension_numbers, feature_group_count, batch_group_count, "row")
+    kh, kw, cin, cout = rhs.shape
+    sh, sw = window_strides
+    b, _, wp, _ = x.shape
+    sel = _column_selector(kw, wp, wo, sw).astype(rhs.dtype)
+    band = jnp.einsum("pqco,qxj->pxcjo", rhs, sel).reshape(kh * wp * cin, wo * cout)
+    rows_in = x.reshape(b, x.shape[1], wp * cin)
+    rows = [
+        lax.slice(rows_in, (0, p, 0), (b, p + sh * (ho - 1) + 1, wp * cin), (1, sh, 1))
+        for p in range(kh)
+    ]
+    stacked = rows[0] if kh == 1 else jnp.concatenate(rows, axis=-1)
+    y = jnp.dot(stacked, band, precision=precision, preferred_element_type=preferred_element_type)
+    return y.reshape(b, ho, wo, cout)
+
+
+def prefers_rows(input_shape: Sequence[int], kernel_shape: Sequence[int],
+                 window_strides: Sequence[int] = (1, 1),
+                 padding: str | Sequence[tuple[int, int]] = ((0, 0), (0, 0))) -> bool:
+    """The CPU rule: rows for few input channels, when the band wastes at most 8x the work.
+
+    Measured on 2 CPU cores (BENCHMARKS.md): rows win for MOON's conv1 (3->6 channels, 32 wide,
+    6.4x the multiply-adds) and conv2 (6->16, 14 wide, 2.8x), and lose for ResNet's 3->64 stem
+    (34 wide, 11x) and every layer with 64+ input channels.
+    """
+    kh, kw, cin, _ = kernel_shape
+    if isinstance(padding, str):
+        padding = lax.padtype_to_pads(tuple(input_shape[1:3]), (kh, kw), tuple(window_strides),
+                                      padding)
+    wp = input_shape[2] + sum(padding[1])
+    return cin <= 16 and wp <= 8 * kw
+
+
+def cpu_conv_general_dilated(lhs, rhs, window_strides, padding, *args, **kwargs) -> jax.Array:
+    """Per layer, the faster of the row and patch convolutions on CPU (``prefers_rows``)."""
+    rows = prefers_rows(lhs.shape, rhs.shape, window_strides, padding)
+    impl = row_conv_general_dilated if rows else patch_conv_general_dilated
+    return impl(lhs, rhs, window_strides, padding, *args, **kwargs)
+
+
 def resolve_conv_impl(conv_impl: str, platform: str | None = None) -> str:
-    """Maps ``"auto"`` to ``"patches"`` on CPU and ``"native"`` on GPU/TPU."""
+    """Maps ``"auto"`` to ``"cpu"`` (rows or patches per layer) on CPU, ``"native"`` elsewhere."""
     if conv_impl not in CONV_IMPLS:
         raise ValueError(f"conv_impl={conv_impl!r}: allowed {CONV_IMPLS}")
     if conv_impl != "auto":
         return conv_impl
     platform = platform or jax.default_backend()
-    return "patches" if platform == "cpu" else "native"
+    return "cpu" if platform == "cpu" else "native"
+
+
+_CONV_FNS = {
+    "cpu": cpu_conv_general_dilated,
+    "patches": patch_conv_general_dilated,
+    "rows": row_conv_general_dilated,
+    "native": lax.conv_general_dilated,
+}
 
 
 def _conv_fn(conv_impl: str):
-    impl = resolve_conv_impl(conv_impl)
-    return patch_conv_general_dilated if impl == "patches" else lax.conv_general_dilated
+    return _CONV_FNS[resolve_conv_impl(conv_impl)]
 
 
 # PyTorch's default for Conv2d/Linear weights: kaiming_uniform(a=sqrt(5)), i.e. U(+-1/sqrt(fan_in)).
@@ -173,8 +285,11 @@ def torch_dense(in_features: int, features: int, *, name: str | None = None) -> 
 
 __all__ = [
     "CONV_IMPLS",
+    "cpu_conv_general_dilated",
     "patch_conv_general_dilated",
+    "prefers_rows",
     "resolve_conv_impl",
+    "row_conv_general_dilated",
     "torch_bias_init",
     "torch_conv",
     "torch_dense",
