@@ -117,7 +117,8 @@ class Config:
     ema_decay: float = 0.9
     conv_impl: str = "auto"  # auto (cpu on CPU, native on GPU/TPU) | cpu | patches | rows | native
     devices: int = 1  # devices the sampled clients are sharded over (0: every device)
-    clients_in_parallel: int = 0  # clients trained side by side (0: all sampled at once)
+    # clients trained side by side; 0: auto (all sampled at once; ResNets on CPU one at a time)
+    clients_in_parallel: int = 0
     client_states: str = "device"  # device | host: where the per-client state table lives
     norm: str = "group"  # group | batch | twin (ResNets; twin needs a two-view algorithm)
     run_dir: str | None = None  # default: runs/<dataset>-<algorithm>-<timestamp>

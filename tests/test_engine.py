@@ -25,8 +25,10 @@ def _cfg(**kw):
         {},  # balanced iid: every client the same size, no masked steps
         {"partition": "dirichlet", "alpha": 0.5, "balanced": False, "num_clients": 6,
          "aggregation": "size"},  # uneven clients: masked steps, wrap-around batches
+        {"clients_in_parallel": 1},  # one client at a time, called without vmap
+        {"clients_in_parallel": 3},  # groups of 3 (the last padded with a zero-weight client)
     ],
-    ids=["balanced", "uneven"],
+    ids=["balanced", "uneven", "one-at-a-time", "groups"],
 )
 def test_vmapped_round_equals_sequential_clients(toy, kw):
     exp = build(_cfg(**kw), toy)
@@ -39,9 +41,18 @@ def test_vmapped_round_equals_sequential_clients(toy, kw):
                     strict=True):
         np.testing.assert_allclose(np.asarray(a), b, rtol=1e-5, atol=1e-5)
     assert int(new_state.round) == 1
-    if kw:
+    if "balanced" in kw:
         sizes = np.asarray(exp.data.client_sizes)
         assert sizes.min() != sizes.max(), "the uneven case must really be uneven"
+
+
+def test_auto_clients_in_parallel_is_one_only_for_resnets_on_cpu():
+    from fedjax_rcl.experiment import clients_in_parallel
+
+    assert clients_in_parallel(_cfg(model="resnet18"), "cpu") == 1
+    assert clients_in_parallel(_cfg(model="resnet18"), "gpu") is None
+    assert clients_in_parallel(_cfg(model="cnn"), "cpu") is None
+    assert clients_in_parallel(_cfg(model="resnet18", clients_in_parallel=4), "cpu") == 4
 
 
 def test_weighted_mean_over_client_axis():

@@ -145,6 +145,12 @@ def make_round(local_update, server_opt: optax.GradientTransformation, *, num_cl
 
         def run(group):
             rows, keys, idx, sizes = group
+            if per_group == 1 and mesh is None:
+                # One client at a time: call it unbatched. A vmap of size 1 still turns every
+                # convolution into a batched one (ResNet-18 on XLA:CPU: ~9% slower per step).
+                one = jax.tree.map(lambda x: x[0], (rows, keys, idx, sizes))
+                out = local_update(state.params, state.model_state, *one, state.round, data)
+                return jax.tree.map(lambda x: x[None], out)
             return vmapped(state.params, state.model_state, rows, keys, idx, sizes,
                            state.round, data)
 
