@@ -171,6 +171,17 @@ def worker(spec: dict) -> dict:
     return out
 
 
+def merge_passes(results: list[dict]) -> dict:
+    """One row from several passes of a configuration: median time, largest memory."""
+    row = dict(results[-1])
+    row["round_s_passes"] = [r["round_s"] for r in results]
+    row["round_s"] = statistics.median(row["round_s_passes"])
+    row["compile_s"] = statistics.median(r["compile_s"] for r in results)
+    row["peak_rss_gb"] = max(r["peak_rss_gb"] for r in results)
+    row["client_steps_per_s"] = row["clients"] * row["steps"] / row["round_s"]
+    return row
+
+
 def run_worker(spec: dict, timeout: float) -> dict | None:
     cmd = [sys.executable, __file__, "--worker", json.dumps(spec)]
     try:
@@ -279,6 +290,8 @@ def main():
     ap.add_argument("--modes", nargs="+", default=["vmap", "sequential", "torch"])
     ap.add_argument("--quick", action="store_true", help="CNN only, 1 and 5 clients")
     ap.add_argument("--no-append", action="store_true")
+    ap.add_argument("--passes", type=int, default=1,
+                    help="run every configuration this many times, in rotation; report medians")
     ap.add_argument("--timeout", type=float, default=3600)
     ap.add_argument("--replot", nargs="+", metavar="JSON",
                     help="redraw benchmarks/round_scaling.png from saved results and exit "
@@ -301,7 +314,7 @@ def main():
         print("PyTorch not installed (pip install -e '.[bench]'): skipping the torch rows")
     peak = matmul_peak_gflops()
     print(f"matmul peak: {peak:.0f} GFLOP/s", flush=True)
-    rows = []
+    specs = []
     for model in args.models:
         clients_list = args.clients or (DEFAULT_CLIENTS if model == "cnn" else (1, 5, 10))
         for alg in args.algorithms:
@@ -309,15 +322,19 @@ def main():
                 for mode in modes:
                     if mode != "vmap" and clients not in (1, 5):
                         continue  # the loops scale linearly; 1 and 5 clients say it all
-                    spec = {"model": model, "algorithm": alg, "clients": clients,
-                            "mode": mode, "repeats": 2}
-                    r = run_worker(spec, args.timeout)
-                    if r:
-                        rows.append(r)
-                        print(f"  {model} {alg} {clients} {mode}: {r['round_s']:.2f} s/round, "
-                              f"{r['client_steps_per_s']:.1f} client-steps/s, "
-                              f"compile {r['compile_s']:.1f} s, {r['peak_rss_gb']:.2f} GB",
-                              flush=True)
+                    specs.append({"model": model, "algorithm": alg, "clients": clients,
+                                  "mode": mode, "repeats": 2})
+    runs: dict[tuple, list[dict]] = {}
+    for p in range(args.passes):  # passes interleave the modes over time: drift hits all alike
+        for spec in specs:
+            r = run_worker(spec, args.timeout)
+            if r:
+                runs.setdefault(tuple(spec.values()), []).append(r)
+                print(f"  [{p + 1}/{args.passes}] {spec['model']} {spec['algorithm']} "
+                      f"{spec['clients']} {spec['mode']}: {r['round_s']:.2f} s/round, "
+                      f"{r['client_steps_per_s']:.1f} client-steps/s, "
+                      f"compile {r['compile_s']:.1f} s, {r['peak_rss_gb']:.2f} GB", flush=True)
+    rows = [merge_passes(rs) for rs in runs.values()]
     text = table(rows, peak)
     notes = ratios(rows)
     print(text)
@@ -332,7 +349,10 @@ def main():
             f.write(f"\n## Round speed ({time.strftime('%Y-%m-%d')}; {machine()})\n\n"
                     f"`python tools/bench_round.py {' '.join(sys.argv[1:])}`; matmul peak "
                     f"{peak:.0f} GFLOP/s measured in the same run. Plot: "
-                    "`benchmarks/round_scaling.png`.\n\n" + text + "\n\n" + "\n".join(notes)
+                    "`benchmarks/round_scaling.png`. `vmap` is the compiled round with its "
+                    "default client layout (on CPU the ResNets train clients one at a time). "
+                    "With `--passes N`, s/round is the median over N passes run in rotation."
+                    "\n\n" + text + "\n\n" + "\n".join(notes)
                     + "\n")
 
 
