@@ -12,8 +12,11 @@ for forward + backward (+2 forwards for MOON's frozen models) — because XLA's 
 the round counts a loop body once. The matmul peak is measured in the same run.
 
 Sizes: the CNN runs the paper's local work (5 epochs of 10 steps, batch 50, per client). ResNet-18
-costs about 1.6 s per client-step on 2 CPU cores, so its round is cut to 2 local steps per client
+costs about 1 s per client-step on 2 CPU cores, so its round is cut to 2 local steps per client
 (one epoch of 100 samples) and compared per client-step.
+
+On a noisy machine use ``--passes 3``: every configuration runs three times, in rotation with the
+others, and the table reports the median.
 """
 
 from __future__ import annotations

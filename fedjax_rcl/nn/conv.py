@@ -15,6 +15,7 @@ layer (``prefers_rows``).
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 
@@ -100,6 +101,10 @@ def patch_conv_general_dilated(
     The concatenation order ``(p, q, c)`` is exactly the row-major order of an HWIO kernel, so the
     kernel reshape is free. Memory: about ``k_h * k_w`` times the input activations.
 
+    The gradient is hand-written (``_patch_conv_bwd``): for stride 1 the input gradient is the
+    patch convolution of the output gradient with the flipped kernel instead of autodiff's
+    col2im, which XLA:CPU fuses badly (BENCHMARKS.md).
+
     Supports what the models here use: explicit or string padding, any stride, no dilation,
     ``feature_group_count == 1``. Anything else raises ``ValueError`` at trace time.
 
@@ -116,16 +121,63 @@ def patch_conv_general_dilated(
     Returns:
       ``[B, H_out, W_out, C_out]``.
     """
-    x, ho, wo = _prepare(lhs, rhs, window_strides, padding, lhs_dilation, rhs_dilation,
-                         dimension_numbers, feature_group_count, batch_group_count, "patch")
-    kh, kw, cin, cout = rhs.shape
-    patches = _patches(x, kh, kw, window_strides, ho, wo)
-    return jnp.dot(
-        patches,
-        rhs.reshape(kh * kw * cin, cout),
-        precision=precision,
-        preferred_element_type=preferred_element_type,
-    )
+    padding = _check(lhs, rhs, window_strides, padding, lhs_dilation, rhs_dilation,
+                     dimension_numbers, feature_group_count, batch_group_count, "patch")
+    return _patch_conv(lhs, rhs, tuple(window_strides), padding, precision,
+                       preferred_element_type)
+
+
+def _padded_patches(x, kh, kw, strides, padding):
+    xp = jnp.pad(x, ((0, 0), *padding, (0, 0)))
+    ho, wo = (xp.shape[1] - kh) // strides[0] + 1, (xp.shape[2] - kw) // strides[1] + 1
+    return _patches(xp, kh, kw, strides, ho, wo)
+
+
+def _patch_matmul(x, w, strides, padding, precision, preferred_element_type):
+    kh, kw, cin, cout = w.shape
+    patches = _padded_patches(x, kh, kw, strides, padding)
+    y = jnp.dot(patches, w.reshape(kh * kw * cin, cout), precision=precision,
+                preferred_element_type=preferred_element_type)
+    return y, patches
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
+def _patch_conv(x, w, strides, padding, precision, preferred_element_type):
+    return _patch_matmul(x, w, strides, padding, precision, preferred_element_type)[0]
+
+
+def _patch_conv_fwd(x, w, strides, padding, precision, preferred_element_type):
+    y, patches = _patch_matmul(x, w, strides, padding, precision, preferred_element_type)
+    return y, (patches, w, jax.ShapeDtypeStruct(x.shape, x.dtype))
+
+
+def _patch_conv_bwd(strides, padding, precision, preferred_element_type, residuals, g):
+    """Hand-written gradient. Autodiff's input gradient is col2im: ``g @ w^T`` expanded to
+    ``k_h k_w`` patches, each padded back to the input's size and summed. XLA:CPU fuses that
+    sum with whatever gradient arrives at the same tensor into one slow transposing loop (with
+    FedRCL's feature-level losses, +25% on a ResNet-18 step). For stride 1 the input gradient is
+    instead the convolution of ``g`` with the flipped, in/out-swapped kernel, done as patches.
+    """
+    patches, w, x = residuals
+    kh, kw, cin, cout = w.shape
+    g = g.astype(patches.dtype)
+    dw = lax.dot_general(patches, g, (((0, 1, 2), (0, 1, 2)), ((), ())),
+                         precision=precision).reshape(w.shape).astype(w.dtype)
+    flipped_pads = tuple((k - 1 - lo, k - 1 - hi) for k, (lo, hi) in zip((kh, kw), padding,
+                                                                           strict=True))
+    if tuple(strides) == (1, 1) and all(0 <= p <= k - 1 for k, pair in
+                                        zip((kh, kw), flipped_pads, strict=True) for p in pair):
+        wt = jnp.flip(w, (0, 1)).transpose(0, 1, 3, 2)
+        dx = _patch_matmul(g, wt, (1, 1), flipped_pads, precision, None)[0]
+    else:  # strided or unusual padding: col2im, the transpose of the patch extraction
+        extract = functools.partial(_padded_patches, kh=kh, kw=kw, strides=strides,
+                                    padding=padding)
+        dx = jax.linear_transpose(extract, x)(jnp.dot(g, w.reshape(-1, cout).T,
+                                                      precision=precision))[0]
+    return dx.astype(x.dtype), dw
+
+
+_patch_conv.defvjp(_patch_conv_fwd, _patch_conv_bwd)
 
 
 def _column_selector(kw: int, wp: int, wo: int, sw: int) -> np.ndarray:
