@@ -115,7 +115,9 @@ class Config:
     keep_checkpoints: int = 3  # newest checkpoints kept
     eval_batch_size: int = 500
     ema_decay: float = 0.9
-    conv_impl: str = "auto"  # auto (cpu on CPU, native on GPU/TPU) | cpu | patches | rows | native
+    # auto (cpu on CPU, native on GPU/TPU) | cpu (oneDNN, else rows/patches) | onednn | patches
+    # | rows | native
+    conv_impl: str = "auto"
     devices: int = 1  # devices the sampled clients are sharded over (0: every device)
     # clients trained side by side; 0: auto (all sampled at once; ResNets on CPU one at a time)
     clients_in_parallel: int = 0
@@ -249,6 +251,20 @@ def _check(problems: list[str], ok: bool, name: str, value, allowed: str) -> Non
         problems.append(f"{name}={value!r}: {allowed}")
 
 
+def _check_onednn(p: list[str]) -> None:
+    """``conv_impl=onednn`` needs the CPU backend and the oneDNN extension (built here, once)."""
+    import jax
+
+    from fedjax_rcl.nn import onednn
+
+    if jax.default_backend() != "cpu":
+        p.append(f"conv_impl='onednn': runs on the CPU only; the default backend is "
+                 f"{jax.default_backend()} (use auto or native)")
+    elif not onednn.available():
+        p.append(f"conv_impl='onednn': unavailable here: {onednn.unavailable_reason()} "
+                 "(use auto, which falls back to the matmul convolutions)")
+
+
 def validate(cfg: Config, *, check_data: bool = True) -> None:
     """Checks every field; raises ``ConfigError`` listing all problems (one line each).
 
@@ -318,6 +334,8 @@ def validate(cfg: Config, *, check_data: bool = True) -> None:
            "required (host:port of process 0) when num_processes > 1")
     _check(p, cfg.conv_impl in CONV_IMPLS, "conv_impl", cfg.conv_impl,
            f"allowed: {', '.join(CONV_IMPLS)}")
+    if cfg.conv_impl == "onednn":
+        _check_onednn(p)
     _check(p, cfg.norm in NORMS, "norm", cfg.norm, f"allowed: {', '.join(NORMS)}")
     _check(p, cfg.server.optimizer in SERVER_OPTIMIZERS, "server.optimizer",
            cfg.server.optimizer, f"allowed: {', '.join(SERVER_OPTIMIZERS)}")

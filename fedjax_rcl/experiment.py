@@ -104,8 +104,9 @@ def clients_in_parallel(cfg: Config, platform: str | None = None) -> int | None:
     except the ResNets on CPU, which train one client after another (1).
 
     Why: on a CPU, batching clients buys no throughput (the cores are busy with one client's
-    GEMMs) and costs cache and memory; for ResNet-18 a FedRCL round of 5 clients takes 0.77x
-    the time one after another (BENCHMARKS.md). The small CNN's round is as fast vmapped.
+    convolutions) and costs cache and memory; for ResNet-18 a FedRCL round of 5 clients takes
+    0.77x the time one after another with the patch convolutions, 0.74x with oneDNN's
+    (BENCHMARKS.md). The small CNN's round is as fast vmapped.
     """
     if cfg.clients_in_parallel:
         return cfg.clients_in_parallel

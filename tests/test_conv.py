@@ -1,4 +1,5 @@
-"""The patch and row convolutions equal XLA's native convolution (values and gradients)."""
+"""The oneDNN, patch and row convolutions equal XLA's native convolution (values and
+gradients)."""
 
 import jax
 import jax.numpy as jnp
@@ -7,9 +8,10 @@ import pytest
 from jax import lax
 
 from fedjax_rcl.models import get_model
-from fedjax_rcl.nn import max_pool
+from fedjax_rcl.nn import max_pool, onednn
 from fedjax_rcl.nn.conv import (
     cpu_conv_general_dilated,
+    onednn_conv_general_dilated,
     patch_conv_general_dilated,
     prefers_rows,
     resolve_conv_impl,
@@ -17,7 +19,16 @@ from fedjax_rcl.nn.conv import (
 )
 
 IMPLS = {"patches": patch_conv_general_dilated, "rows": row_conv_general_dilated,
-         "cpu": cpu_conv_general_dilated}
+         "cpu": cpu_conv_general_dilated, "onednn": onednn_conv_general_dilated}
+
+
+@pytest.fixture(autouse=True)
+def _needs_onednn(request):
+    """Cases of the oneDNN convolution skip, with the reason, where it cannot be built
+    (test_onednn.py fails instead on the platforms where it must build)."""
+    impl = request.node.callspec.params.get("impl") if hasattr(request.node, "callspec") else None
+    if impl == "onednn" and not onednn.available():
+        pytest.skip(f"oneDNN extension unavailable: {onednn.unavailable_reason()}")
 
 DN = ("NHWC", "HWIO", "NHWC")
 
@@ -73,6 +84,8 @@ def test_models_agree_across_conv_impls(name):
     params = native.init(jax.random.PRNGKey(3), x)
     want = jax.jit(native.apply)(params, x)
     for impl in IMPLS:
+        if impl == "onednn" and not onednn.available():
+            continue
         got = jax.jit(get_model(name, num_classes=10, conv_impl=impl).apply)(params, x)
         for u, v in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
             np.testing.assert_allclose(u, v, atol=1e-5, rtol=1e-5)

@@ -7,9 +7,10 @@ implementation of the same client update (``tools/torch_reference.py``).
     python tools/bench_round.py --quick --no-append
 
 Every configuration runs in a fresh subprocess, so its peak memory (max RSS) is its own. FLOP/s
-come from analytic counts — XLA's cost analysis of one forward pass outside any loop, times 3
-for forward + backward (+2 forwards for MOON's frozen models) — because XLA's cost analysis of
-the round counts a loop body once. The matmul peak is measured in the same run.
+come from analytic counts — every multiply-add of the network's convolution and dense layers,
+times 3 for forward + backward (+2 forwards for MOON's frozen models), the same for every mode —
+because XLA's cost analysis of the round counts a loop body once. The matmul peak is measured
+in the same run.
 
 Sizes: the CNN runs the paper's local work (5 epochs of 10 steps, batch 50, per client). ResNet-18
 costs about 1 s per client-step on 2 CPU cores, so its round is cut to 2 local steps per client
@@ -75,23 +76,17 @@ def _timed(fn) -> float:
     return time.perf_counter() - t
 
 
-def forward_flops_per_image(module, params, model_state, image_shape) -> float:
-    """XLA's flop count of one forward pass on one image (no loops inside).
+def forward_flops_per_image(model: str, algorithm: str) -> float:
+    """Analytic FLOPs of one forward pass of one image (2 per multiply-add of every convolution
+    and dense layer, padding positions included, as PyTorch's and the papers' counts), the same
+    number for every mode so GFLOP/s compare across rows. (Tables before 2026-11-23 counted the
+    JAX rows with XLA's cost analysis, which skips multiply-adds on padding: 970 vs 1111 MFLOP
+    for ResNet-18.)"""
+    sys.path.insert(0, str(ROOT / "tools"))
+    import torch_reference  # its FLOP counts need no PyTorch
 
-    Counted on the same model with XLA's native convolution: the nominal work of the network, not
-    that of an implementation (the row convolution multiplies zeros of its banded matrix too).
-    """
-    import jax
-    import numpy as np
-
-    from fedjax_rcl.models import model_fns
-
-    model = model_fns(module.clone(conv_impl="native"))
-    x = np.zeros((1, *image_shape), np.float32)
-    f = jax.jit(lambda p, s, x: model.apply(p, s, x, train=True)[0].logits)
-    cost = f.lower(params, model_state, x).compile().cost_analysis()
-    cost = cost[0] if isinstance(cost, list) else cost
-    return float(cost["flops"])
+    return float(torch_reference.forward_flops(
+        model, projection_dim=256 if algorithm == "moon" else None))
 
 
 def worker(spec: dict) -> dict:
@@ -108,7 +103,8 @@ def worker(spec: dict) -> dict:
     num_clients = max(clients, 100)
     batch = 50
     steps = epochs * per_client // batch
-    out = {**spec, "steps": steps, "batch": batch}
+    out = {**spec, "steps": steps, "batch": batch,
+           "fwd_flops_per_image": forward_flops_per_image(model, algorithm)}
     if mode == "torch":
         sys.path.insert(0, str(ROOT / "tools"))
         import torch_reference
@@ -117,16 +113,12 @@ def worker(spec: dict) -> dict:
         r = torch_reference.round_seconds(model, algorithm, clients=clients, steps=steps,
                                           batch=batch, data=data, epochs=epochs,
                                           repeats=spec.get("repeats", 2))
-        out.update(round_s=r["round_s"], compile_s=0.0,
-                   fwd_flops_per_image=float(torch_reference.forward_flops(
-                       model, projection_dim=256 if algorithm == "moon" else None)))
+        out.update(round_s=r["round_s"], compile_s=0.0)
     else:
         cfg = Config(dataset="fake", model=model, algorithm=algorithm, num_clients=num_clients,
                      participation=clients / num_clients, partition="iid", local_epochs=epochs,
                      batch_size=batch, eval_every=1, clients_in_parallel=spec.get("chunk", 0))
         exp = build(cfg, _fake_cifar(num_clients * per_client))
-        out["fwd_flops_per_image"] = forward_flops_per_image(
-            exp.model.module, exp.state.params, exp.state.model_state, exp.dataset.image_shape)
         if mode == "vmap":
             t0 = time.perf_counter()
             one = jnp.int32(1)
@@ -219,6 +211,19 @@ def machine() -> str:
 
     return (f"{cpu}, {os.cpu_count()} cores, {jax.default_backend()}, jax {jax.__version__}, "
             f"Python {platform.python_version()}")
+
+
+def convolutions() -> str:
+    """Which CPU convolutions the compiled rounds use (``conv_impl=auto``)."""
+    import jax
+
+    from fedjax_rcl.nn import onednn
+
+    if jax.default_backend() != "cpu":
+        return "XLA's native convolutions"
+    if onednn.available():
+        return f"oneDNN {onednn.version()} through XLA's FFI"
+    return f"matmul forms (oneDNN unavailable: {onednn.unavailable_reason()})"
 
 
 def table(rows: list[dict], peak: float) -> str:
@@ -316,7 +321,8 @@ def main():
     if "torch" in args.modes and "torch" not in modes:
         print("PyTorch not installed (pip install -e '.[bench]'): skipping the torch rows")
     peak = matmul_peak_gflops()
-    print(f"matmul peak: {peak:.0f} GFLOP/s", flush=True)
+    convs = convolutions()
+    print(f"matmul peak: {peak:.0f} GFLOP/s; convolutions: {convs}", flush=True)
     specs = []
     for model in args.models:
         clients_list = args.clients or (DEFAULT_CLIENTS if model == "cnn" else (1, 5, 10))
@@ -346,12 +352,13 @@ def main():
     if not args.no_append:  # the plot goes with the table in BENCHMARKS.md
         plot(rows, ROOT / "benchmarks" / "round_scaling.png")
     (ROOT / "benchmarks" / f"round-{time.strftime('%Y%m%d-%H%M%S')}.json").write_text(
-        json.dumps({"machine": machine(), "matmul_peak_gflops": peak, "rows": rows}, indent=1))
+        json.dumps({"machine": machine(), "matmul_peak_gflops": peak, "convolutions": convs,
+                    "rows": rows}, indent=1))
     if not args.no_append:
         with open(ROOT / "BENCHMARKS.md", "a") as f:
             f.write(f"\n## Round speed ({time.strftime('%Y-%m-%d')}; {machine()})\n\n"
                     f"`python tools/bench_round.py {' '.join(sys.argv[1:])}`; matmul peak "
-                    f"{peak:.0f} GFLOP/s measured in the same run. Plot: "
+                    f"{peak:.0f} GFLOP/s measured in the same run; convolutions: {convs}. Plot: "
                     "`benchmarks/round_scaling.png`. `vmap` is the compiled round with its "
                     "default client layout (on CPU the ResNets train clients one at a time). "
                     "With `--passes N`, s/round is the median over N passes run in rotation."

@@ -138,28 +138,42 @@ def make_round(local_update, server_opt: optax.GradientTransformation, *, num_cl
         return x if mesh is None else jax.lax.with_sharding_constraint(
             x, NamedSharding(mesh, spec))
 
+    def train_group(params, model_state, round_index, data, group):
+        """``k`` clients side by side: ``group`` leaves ``[k, ...]`` -> outputs ``[k, ...]``."""
+        rows, keys, idx, sizes = group
+        if jax.tree.leaves(keys)[0].shape[0] == 1:
+            # One client at a time: call it unbatched. A vmap of size 1 still turns every
+            # convolution into a batched one (ResNet-18 on XLA:CPU: ~9% slower per step).
+            one = jax.tree.map(lambda x: x[0], (rows, keys, idx, sizes))
+            out = local_update(params, model_state, *one, round_index, data)
+            return jax.tree.map(lambda x: x[None], out)
+        return vmapped(params, model_state, rows, keys, idx, sizes, round_index, data)
+
+    def train_local(params, model_state, round_index, data, xs):
+        """This device's clients (all of them without a mesh), ``per_group // devices`` at a
+        time: leaves ``[n, ...]`` -> ``[n, ...]``."""
+        n = jax.tree.leaves(xs)[0].shape[0]
+        k = per_group // devices
+        run = lambda group: train_group(params, model_state, round_index, data, group)
+        if n == k:
+            return run(xs)
+        out = jax.lax.map(run, jax.tree.map(lambda x: x.reshape(n // k, k, *x.shape[1:]), xs))
+        return jax.tree.map(lambda x: x.reshape(n, *x.shape[2:]), out)
+
+    # With a mesh, each device trains its block of clients with exactly the single-device code
+    # (shard_map rather than XLA's automatic partitioning: an FFI call such as the oneDNN
+    # convolutions has no partitioning rule, and XLA would replicate it on every device).
+    # check_vma=False: every value inside is per device, and the global model is each client's
+    # private starting point; the gradients taken inside are local, never summed over devices.
+    train = train_local if mesh is None else jax.shard_map(
+        train_local, mesh=mesh, in_specs=(P(), P(), P(), P(), P(CLIENTS)),
+        out_specs=P(CLIENTS), check_vma=False)
+
     def train_clients(state, data, clients, rows):
         """Local training of ``padded`` clients: ``[padded]`` ids -> ``[padded, ...]``."""
         xs = (rows, client_keys(state.key, state.round, clients),
               data.client_indices[clients], data.client_sizes[clients])
-
-        def run(group):
-            rows, keys, idx, sizes = group
-            if per_group == 1 and mesh is None:
-                # One client at a time: call it unbatched. A vmap of size 1 still turns every
-                # convolution into a batched one (ResNet-18 on XLA:CPU: ~9% slower per step).
-                one = jax.tree.map(lambda x: x[0], (rows, keys, idx, sizes))
-                out = local_update(state.params, state.model_state, *one, state.round, data)
-                return jax.tree.map(lambda x: x[None], out)
-            return vmapped(state.params, state.model_state, rows, keys, idx, sizes,
-                           state.round, data)
-
-        if groups == 1:
-            return run(jax.tree.map(lambda x: spread(x, P(CLIENTS)), xs))
-        xs = jax.tree.map(lambda x: spread(x.reshape(groups, per_group, *x.shape[1:]),
-                                           P(None, CLIENTS)), xs)
-        out = jax.lax.map(run, xs)
-        return jax.tree.map(lambda x: x.reshape(padded, *x.shape[2:]), out)
+        return train(state.params, state.model_state, state.round, data, xs)
 
     def round_with_rows(state: ServerState, data: ClientData, rows):
         sampled = sample_clients(state.key, state.round, num_clients, m)

@@ -3,8 +3,9 @@
 The sampled clients' local training is sharded over the ``clients`` axis of a 1-D mesh
 (``jax.sharding.Mesh``); everything else — the global model, the training and test sets — is
 replicated, and the per-client state table is sharded with the clients when its length divides
-evenly. Under ``jit`` XLA partitions the vmapped local training by client and turns the client
-mean into an all-reduce, so ``engine.round`` needs no per-device code (the drjax way).
+evenly. ``engine.round`` runs each device's block of clients with ``shard_map`` — the very code
+that runs them on one device — and XLA turns the client mean into an all-reduce (the drjax way:
+clients are a named axis, the per-client code does not change).
 
 Single host: ``XLA_FLAGS=--xla_force_host_platform_device_count=N`` gives N CPU devices (set it
 before JAX starts). Several processes: ``initialize_distributed`` calls

@@ -1,8 +1,10 @@
-"""Layers: patch and row convolutions, max-pooling, PyTorch-style factories, normalizations."""
+"""Layers: convolutions (oneDNN through XLA's FFI, patches, rows), max-pooling, PyTorch-style
+factories, normalizations."""
 
 from fedjax_rcl.nn.conv import (
     CONV_IMPLS,
     cpu_conv_general_dilated,
+    onednn_conv_general_dilated,
     patch_conv_general_dilated,
     resolve_conv_impl,
     row_conv_general_dilated,
@@ -20,6 +22,7 @@ __all__ = [
     "Norm",
     "cpu_conv_general_dilated",
     "max_pool",
+    "onednn_conv_general_dilated",
     "patch_conv_general_dilated",
     "resolve_conv_impl",
     "row_conv_general_dilated",

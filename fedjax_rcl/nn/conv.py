@@ -1,22 +1,31 @@
-"""Convolution as image patches times a weight matrix, and PyTorch-style conv/dense factories.
+"""Convolutions for every backend, and PyTorch-style conv/dense factories.
 
-Why a second convolution: on XLA:CPU, ``lax.conv_general_dilated`` inside ``lax.scan`` runs its
-weight-gradient convolutions through a slow generic path (jax-ml/jax#12868), and under ``vmap``
-over a client axis of parameters it becomes a grouped convolution that is 4-5x slower per client.
-Written as ``k*k`` shifted strided slices concatenated along channels ("patches") and one matmul,
-the same convolution is a plain GEMM inside ``scan`` and a batched GEMM under ``vmap``: on a 2-core
-CPU a MOON-CNN client step dropped from 70 ms to 11 ms (see ``../shared/NOTES.md``). On GPU/TPU the
-native convolution is the right choice; ``resolve_conv_impl("auto")`` picks by platform.
+All are drop-ins for ``lax.conv_general_dilated`` (2-D, NHWC x HWIO) that Flax's ``Conv`` takes
+through its ``conv_general_dilated=`` argument; ``conv_impl`` picks one (``resolve_conv_impl``).
 
-A third form, whole image rows times a banded weight matrix (``row_conv_general_dilated``), is
-faster than patches for layers with few input channels; on CPU ``"auto"`` picks one of the two per
-layer (``prefers_rows``).
+Why more than XLA's native convolution: on XLA:CPU, ``lax.conv_general_dilated`` inside
+``lax.scan`` runs its weight-gradient convolutions through a slow generic path (jax-ml/jax#12868),
+and under ``vmap`` over a client axis of parameters it becomes a grouped convolution that is
+4-5x slower per client. On CPU (``"cpu"``, the default there):
+
+- ``onednn_conv_general_dilated``: oneDNN's direct kernels (the library behind PyTorch's CPU
+  convolutions) for the forward pass and both gradients, called through XLA's FFI
+  (``fedjax_rcl.nn.onednn``). Fastest everywhere it was measured: 2x the patch convolution on a
+  ResNet-18 step and the row convolution on MOON's CNN round (BENCHMARKS.md).
+- Without the oneDNN extension, exact matmul formulations that XLA runs well: ``k*k`` shifted
+  strided slices concatenated along channels ("patches") times the kernel, or, for layers with
+  few input channels, whole image rows times a banded weight matrix (``rows``,
+  ``prefers_rows``).
+
+On GPU/TPU the native convolution is the right choice; ``resolve_conv_impl("auto")`` picks by
+platform.
 """
 
 from __future__ import annotations
 
 import functools
 import math
+import warnings
 from collections.abc import Sequence
 
 import flax.linen as nn
@@ -25,7 +34,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-CONV_IMPLS = ("auto", "cpu", "patches", "rows", "native")
+from fedjax_rcl.nn import onednn
+
+CONV_IMPLS = ("auto", "cpu", "onednn", "patches", "rows", "native")
 
 
 def _check(lhs, rhs, window_strides, padding, lhs_dilation, rhs_dilation, dimension_numbers,
@@ -180,6 +191,62 @@ def _patch_conv_bwd(strides, padding, precision, preferred_element_type, residua
 _patch_conv.defvjp(_patch_conv_fwd, _patch_conv_bwd)
 
 
+def onednn_conv_general_dilated(
+    lhs: jax.Array,
+    rhs: jax.Array,
+    window_strides: Sequence[int],
+    padding: str | Sequence[tuple[int, int]],
+    lhs_dilation: Sequence[int] | None = None,
+    rhs_dilation: Sequence[int] | None = None,
+    dimension_numbers=None,
+    feature_group_count: int = 1,
+    batch_group_count: int = 1,
+    precision=None,
+    preferred_element_type=None,
+) -> jax.Array:
+    """The same convolution run by oneDNN's direct kernels (CPU, float32; ``fedjax_rcl.nn.onednn``).
+
+    Forward, input gradient and kernel gradient are each one oneDNN primitive called through
+    XLA's FFI: no patches, no col2im. The function is differentiable (``custom_vjp``); under
+    ``vmap`` each call runs once per mapped element. Same arguments and support as
+    ``patch_conv_general_dilated``; ``precision`` and ``preferred_element_type`` must be left
+    at their defaults (oneDNN computes in float32).
+    """
+    padding = _check(lhs, rhs, window_strides, padding, lhs_dilation, rhs_dilation,
+                     dimension_numbers, feature_group_count, batch_group_count, "oneDNN")
+    if lhs.dtype != jnp.float32 or rhs.dtype != jnp.float32:
+        raise ValueError(f"oneDNN convolution is float32 only; got {lhs.dtype}, {rhs.dtype}")
+    if preferred_element_type not in (None, jnp.float32):
+        raise ValueError("oneDNN convolution computes in float32")
+    strides = tuple(window_strides)
+    if rhs.shape[:2] == (1, 1) and strides != (1, 1) and padding == ((0, 0), (0, 0)):
+        # A strided 1x1 convolution reads every stride-th pixel: take them here and run a
+        # stride-1 convolution. oneDNN 3.2's AVX2 1x1 kernel-gradient path for strided inputs
+        # ("reduce to unit stride") corrupts memory when the input channels are not a multiple
+        # of its 8-channel block (seen with 4 channels: wrong gradients, heap errors).
+        lhs = lhs[:, ::strides[0], ::strides[1], :]
+        strides = (1, 1)
+    return _onednn_conv(lhs, rhs, strides, padding)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _onednn_conv(x, w, strides, padding):
+    return onednn.conv_forward(x, w, strides, padding)
+
+
+def _onednn_conv_fwd(x, w, strides, padding):
+    return onednn.conv_forward(x, w, strides, padding), (x, w)
+
+
+def _onednn_conv_bwd(strides, padding, residuals, g):
+    x, w = residuals
+    return (onednn.conv_backward_data(g, w, x.shape, strides, padding),
+            onednn.conv_backward_weights(x, g, w.shape, strides, padding))
+
+
+_onednn_conv.defvjp(_onednn_conv_fwd, _onednn_conv_bwd)
+
+
 def _column_selector(kw: int, wp: int, wo: int, sw: int) -> np.ndarray:
     """``S[q, x, j] = 1`` iff input column ``x`` feeds output column ``j`` through tap ``q``."""
     sel = np.zeros((kw, wp, wo), np.float32)
@@ -239,7 +306,8 @@ def row_conv_general_dilated(
 def prefers_rows(input_shape: Sequence[int], kernel_shape: Sequence[int],
                  window_strides: Sequence[int] = (1, 1),
                  padding: str | Sequence[tuple[int, int]] = ((0, 0), (0, 0))) -> bool:
-    """The CPU rule: rows for few input channels, when the band wastes at most 8x the work.
+    """The CPU rule without oneDNN: rows for few input channels, when the band wastes at most
+    8x the work.
 
     Measured on 2 CPU cores (BENCHMARKS.md): rows win for MOON's conv1 (3->6 channels, 32 wide,
     6.4x the multiply-adds) and conv2 (6->16, 14 wide, 2.8x), and lose for ResNet's 3->64 stem
@@ -254,14 +322,33 @@ def prefers_rows(input_shape: Sequence[int], kernel_shape: Sequence[int],
 
 
 def cpu_conv_general_dilated(lhs, rhs, window_strides, padding, *args, **kwargs) -> jax.Array:
-    """Per layer, the faster of the row and patch convolutions on CPU (``prefers_rows``)."""
-    rows = prefers_rows(lhs.shape, rhs.shape, window_strides, padding)
-    impl = row_conv_general_dilated if rows else patch_conv_general_dilated
+    """The fastest convolution on CPU: oneDNN's direct kernels when the extension is available
+    (``onednn.available()``, float32), else per layer the row (``prefers_rows``) or patch
+    convolution."""
+    if lhs.dtype == rhs.dtype == jnp.float32 and onednn_usable():
+        impl = onednn_conv_general_dilated
+    elif prefers_rows(lhs.shape, rhs.shape, window_strides, padding):
+        impl = row_conv_general_dilated
+    else:
+        impl = patch_conv_general_dilated
     return impl(lhs, rhs, window_strides, padding, *args, **kwargs)
 
 
+def onednn_usable() -> bool:
+    """``onednn.available()``, with a warning (shown once per process) when it is not."""
+    if onednn.available():
+        return True
+    warnings.warn(f"oneDNN convolutions unavailable ({onednn.unavailable_reason()}); using the "
+                  "slower matmul convolutions on CPU", OneDnnFallbackWarning, stacklevel=2)
+    return False
+
+
+class OneDnnFallbackWarning(UserWarning):
+    """The CPU convolutions fell back from oneDNN to the matmul formulations."""
+
+
 def resolve_conv_impl(conv_impl: str, platform: str | None = None) -> str:
-    """Maps ``"auto"`` to ``"cpu"`` (rows or patches per layer) on CPU, ``"native"`` elsewhere."""
+    """Maps ``"auto"`` to ``"cpu"`` (oneDNN, else rows or patches) on CPU, else ``"native"``."""
     if conv_impl not in CONV_IMPLS:
         raise ValueError(f"conv_impl={conv_impl!r}: allowed {CONV_IMPLS}")
     if conv_impl != "auto":
@@ -275,6 +362,7 @@ _CONV_FNS = {
     "patches": patch_conv_general_dilated,
     "rows": row_conv_general_dilated,
     "native": lax.conv_general_dilated,
+    "onednn": onednn_conv_general_dilated,
 }
 
 
@@ -338,6 +426,7 @@ def torch_dense(in_features: int, features: int, *, name: str | None = None) -> 
 __all__ = [
     "CONV_IMPLS",
     "cpu_conv_general_dilated",
+    "onednn_conv_general_dilated",
     "patch_conv_general_dilated",
     "prefers_rows",
     "resolve_conv_impl",

@@ -1,0 +1,197 @@
+"""oneDNN convolutions on CPU, called from compiled JAX programs through XLA's FFI.
+
+XLA:CPU's own convolution is fast only in its forward form; its kernel gradient inside
+``lax.scan`` takes a slow generic path (jax-ml/jax#12868), and the patch formulation that
+replaces it materialises ``k_h * k_w`` copies of every activation (BENCHMARKS.md). oneDNN, the
+library behind PyTorch's CPU convolutions, runs the forward, input-gradient and kernel-gradient
+convolutions as direct JIT kernels without those copies. This module builds a small C++
+extension (``csrc/onednn_conv.cc``) against the oneDNN wheel on first use, caches it, and
+registers three FFI targets; ``fedjax_rcl.nn.conv.onednn_conv_general_dilated`` composes them
+into a differentiable convolution.
+
+The build needs a C++17 compiler (``$CXX`` or ``g++``), jaxlib's FFI headers and the
+``onednn-devel-cpu-gomp`` wheel (a dependency on x86-64 Linux). When any of them is missing,
+``available()`` is False, ``unavailable_reason()`` says why, and ``conv_impl=auto`` uses the
+patch convolution instead. The compiled library is cached in ``$FEDJAX_RCL_CACHE/ext`` (or
+``~/.cache/fedjax_rcl/ext``) under a hash of everything that shapes it, written atomically so
+concurrent processes may build it at once.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import importlib.metadata
+import os
+import shlex
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import jax
+import numpy as np
+
+SOURCE = Path(__file__).parent / "csrc" / "onednn_conv.cc"
+# FFI target name -> exported handler symbol.
+TARGETS = {
+    "fedjax_onednn_conv_forward": "FedjaxOnednnConvForward",
+    "fedjax_onednn_conv_backward_data": "FedjaxOnednnConvBackwardData",
+    "fedjax_onednn_conv_backward_weights": "FedjaxOnednnConvBackwardWeights",
+}
+_HEADERS_DIST, _LIBRARY_DIST = "onednn-devel-cpu-gomp", "onednn-cpu-gomp"
+
+
+class OneDnnUnavailable(RuntimeError):
+    """The oneDNN extension cannot be built or loaded here; the message says why."""
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("FEDJAX_RCL_CACHE") or Path.home() / ".cache" / "fedjax_rcl"
+    return Path(root) / "ext"
+
+
+def _dist_file(dist: str, suffix: str) -> Path:
+    """The installed file of distribution ``dist`` whose path ends with ``suffix``."""
+    try:
+        files = importlib.metadata.distribution(dist).files or ()
+    except importlib.metadata.PackageNotFoundError:
+        raise OneDnnUnavailable(f"the {dist} package is not installed") from None
+    for f in files:
+        # RECORD paths are relative to site-packages ("../../libdnnl.so.3").
+        path = Path(os.path.normpath(f.locate()))
+        if path.as_posix().endswith(suffix) and path.exists():
+            return path
+    raise OneDnnUnavailable(f"{dist} is installed but has no {suffix}")
+
+
+def _build_inputs() -> dict:
+    """Everything the build reads: compiler, include directories, the library to link."""
+    cxx = shlex.split(os.environ.get("CXX") or "g++")  # $CXX may carry flags ("ccache g++")
+    compiler = shutil.which(cxx[0]) if cxx else None
+    if compiler is None:
+        raise OneDnnUnavailable(f"no C++ compiler ({os.environ.get('CXX') or 'g++'}) on PATH")
+    dnnl_hpp = _dist_file(_HEADERS_DIST, "include/oneapi/dnnl/dnnl.hpp")
+    libdnnl = _dist_file(_LIBRARY_DIST, "lib/libdnnl.so.3")
+    return {
+        "cxx": [compiler, *cxx[1:]],
+        "dnnl_include": dnnl_hpp.parents[2],  # .../include (dnnl.hpp lives in oneapi/dnnl/)
+        "ffi_include": Path(jax.ffi.include_dir()),
+        "libdnnl": libdnnl,
+    }
+
+
+def _build(inputs: dict) -> Path:
+    """Compiles the extension into the cache (once per source, jaxlib and oneDNN) and returns
+    its path."""
+    source = SOURCE.read_bytes()
+    digest = hashlib.sha256(source)
+    for key in ("cxx", "dnnl_include", "ffi_include", "libdnnl"):
+        digest.update(str(inputs[key]).encode())
+    digest.update(jax.__version__.encode())
+    out = cache_dir() / f"fedjax_onednn-{digest.hexdigest()[:16]}.so"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    libdir = inputs["libdnnl"].parent
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        tmp_out = Path(tmp) / out.name
+        cmd = [
+            *inputs["cxx"], "-O2", "-std=c++17", "-shared", "-fPIC", "-w",
+            "-isystem", str(inputs["ffi_include"]), "-isystem", str(inputs["dnnl_include"]),
+            str(SOURCE), "-o", str(tmp_out),
+            f"-L{libdir}", f"-l:{inputs['libdnnl'].name}", f"-Wl,-rpath,{libdir}",
+        ]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise OneDnnUnavailable(f"building {SOURCE.name} failed:\n{proc.stderr[-2000:]}")
+        os.replace(tmp_out, out)  # atomic: a concurrent build of the same file is harmless
+    return out
+
+
+@functools.lru_cache(maxsize=1)
+def _load() -> ctypes.CDLL | OneDnnUnavailable:
+    """Builds (if needed), loads and registers the extension once per process; returns the
+    library, or the reason it is unavailable."""
+    try:
+        lib = ctypes.CDLL(str(_build(_build_inputs())))
+        for target, symbol in TARGETS.items():
+            jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)),
+                                        platform="cpu")
+        return lib
+    except OneDnnUnavailable as e:
+        return e
+    except (OSError, AttributeError) as e:
+        return OneDnnUnavailable(f"loading the oneDNN extension failed: {e}")
+
+
+def available() -> bool:
+    """Whether the oneDNN convolutions can run in this process (builds them on first call)."""
+    return not isinstance(_load(), OneDnnUnavailable)
+
+
+def unavailable_reason() -> str | None:
+    """Why ``available()`` is False (None when it is True)."""
+    loaded = _load()
+    return str(loaded) if isinstance(loaded, OneDnnUnavailable) else None
+
+
+def version() -> str:
+    """The oneDNN version the extension runs, e.g. ``"3.2.0"``."""
+    lib = _library()
+    v = lib.FedjaxOnednnVersion()
+    return f"{v // 10000}.{v // 100 % 100}.{v % 100}"
+
+
+def _library() -> ctypes.CDLL:
+    loaded = _load()
+    if isinstance(loaded, OneDnnUnavailable):
+        raise loaded
+    return loaded
+
+
+def _call(target: str, out_shape, *operands, strides, padding):
+    _library()  # registers the targets before the call is traced
+    (pt, pb), (pl, pr) = padding
+    sh, sw = strides
+    # Under vmap (clients side by side) the call runs once per client: on CPU that is the
+    # right schedule anyway, and each client has its own kernel.
+    out = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(out_shape, np.float32),
+                           vmap_method="sequential")(
+        *operands, stride_h=np.int64(sh), stride_w=np.int64(sw), pad_top=np.int64(pt),
+        pad_bottom=np.int64(pb), pad_left=np.int64(pl), pad_right=np.int64(pr))
+    # Inside shard_map an FFI result is typed device-invariant; it varies over the mesh axes
+    # its operands vary over (what autodiff inside shard_map relies on).
+    varying = frozenset().union(*map(_varying_axes, operands)) - _varying_axes(out)
+    return jax.lax.pcast(out, tuple(sorted(varying)), to="varying") if varying else out
+
+
+def _varying_axes(x) -> frozenset:
+    """The mesh axes ``x`` varies over inside ``shard_map`` (empty outside)."""
+    aval = jax.typeof(x)
+    vma = getattr(aval, "vma", None)  # the attribute's name in other jax versions
+    return frozenset(vma if vma is not None else aval.manual_axis_type.varying)
+
+
+def conv_forward(x: jax.Array, w: jax.Array, strides, padding) -> jax.Array:
+    """``y = conv(x, w)``: NHWC ``x``, HWIO ``w``, explicit ``((lo, hi), (lo, hi))`` padding."""
+    kh, kw, _, cout = w.shape
+    (pt, pb), (pl, pr) = padding
+    ho = (x.shape[1] + pt + pb - kh) // strides[0] + 1
+    wo = (x.shape[2] + pl + pr - kw) // strides[1] + 1
+    return _call("fedjax_onednn_conv_forward", (x.shape[0], ho, wo, cout), x, w,
+                 strides=strides, padding=padding)
+
+
+def conv_backward_data(dy: jax.Array, w: jax.Array, input_shape, strides, padding) -> jax.Array:
+    """The input gradient of ``conv_forward`` at kernel ``w`` for output gradient ``dy``."""
+    return _call("fedjax_onednn_conv_backward_data", tuple(input_shape), dy, w,
+                 strides=strides, padding=padding)
+
+
+def conv_backward_weights(x: jax.Array, dy: jax.Array, kernel_shape, strides,
+                          padding) -> jax.Array:
+    """The kernel gradient of ``conv_forward`` at input ``x`` for output gradient ``dy``."""
+    return _call("fedjax_onednn_conv_backward_weights", tuple(kernel_shape), x, dy,
+                 strides=strides, padding=padding)

@@ -1,0 +1,190 @@
+"""The oneDNN convolutions: they build here, run inside the compiled programs the engine makes
+(jit, scan, vmap, shard_map), are deterministic, and fall back cleanly when unavailable.
+
+Their values and gradients against XLA's convolution on many geometries are in test_conv.py.
+"""
+
+import platform
+import sys
+import warnings
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+from fedjax_rcl.config import Config, ConfigError, validate
+from fedjax_rcl.nn import conv, onednn
+
+DN = ("NHWC", "HWIO", "NHWC")
+PAD = ((1, 1), (1, 1))
+MUST_BUILD = sys.platform == "linux" and platform.machine() == "x86_64"
+
+needs_onednn = pytest.mark.skipif(
+    not MUST_BUILD, reason="the oneDNN wheel (onednn-devel-cpu-gomp) is for x86-64 Linux only")
+
+
+def _native(x, w, strides=(1, 1), padding=PAD):
+    return lax.conv_general_dilated(x, w, strides, padding, dimension_numbers=DN)
+
+
+def _ours(x, w, strides=(1, 1), padding=PAD):
+    return conv.onednn_conv_general_dilated(x, w, strides, padding)
+
+
+def _data(seed=0, shape=(4, 10, 10, 8), kernel=(3, 3, 8, 6)):
+    kx, kw = jax.random.split(jax.random.PRNGKey(seed))
+    x = jax.random.normal(kx, shape)
+    w = jax.random.normal(kw, kernel) / np.sqrt(np.prod(kernel[:3]))
+    return x, w
+
+
+@needs_onednn
+def test_extension_builds_here():
+    """On x86-64 Linux the extension must build: a silent fallback would hide a 2x slowdown."""
+    assert onednn.available(), onednn.unavailable_reason()
+    assert onednn.unavailable_reason() is None
+    assert onednn.version().startswith("3.")
+
+
+@needs_onednn
+def test_kernel_gradients_inside_scan_match_native():
+    """The local-training shape: gradients of a two-layer net, accumulated over a lax.scan."""
+    x, w1 = _data(1)
+    w2 = jax.random.normal(jax.random.PRNGKey(2), (3, 3, 6, 5)) / 7.0
+
+    def train(conv_fn):
+        def loss(ws, x):
+            h = jax.nn.relu(conv_fn(x, ws[0]))
+            return jnp.mean(conv_fn(h, ws[1], (2, 2)) ** 2)
+
+        def step(ws, t):
+            g = jax.grad(loss)(ws, x + 0.1 * t)
+            return jax.tree.map(lambda w, g: w - 0.1 * g, ws, g), loss(ws, x)
+
+        return jax.jit(lambda ws: lax.scan(step, ws, jnp.arange(3.0)))((w1, w2))
+
+    (got_w, got_l), (want_w, want_l) = train(_ours), train(_native)
+    np.testing.assert_allclose(got_l, want_l, rtol=1e-5)
+    for a, b in zip(got_w, want_w, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+@needs_onednn
+def test_vmapped_gradients_match_native():
+    """One kernel per client under vmap (the round's client axis): each client its own call."""
+    xs = jax.random.normal(jax.random.PRNGKey(3), (3, 2, 8, 8, 4))
+    ws = jax.random.normal(jax.random.PRNGKey(4), (3, 3, 3, 4, 5)) / 6.0
+    grads = lambda f: jax.jit(jax.vmap(jax.grad(lambda x, w: jnp.sum(f(x, w) ** 2),
+                                                argnums=(0, 1))))(xs, ws)
+    for a, b in zip(grads(_ours), grads(_native), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * float(jnp.abs(b).max()))
+
+
+@needs_onednn
+def test_results_are_deterministic():
+    """Bit-identical results call after call (resume reproduces a run exactly)."""
+    x, w = _data(5, (8, 16, 16, 16), (3, 3, 16, 32))
+    f = jax.jit(jax.value_and_grad(lambda x, w: jnp.sum(jnp.sin(_ours(x, w))), argnums=(0, 1)))
+    first = jax.tree.map(np.asarray, f(x, w))
+    for _ in range(3):
+        again = jax.tree.map(np.asarray, f(x, w))
+        for a, b in zip(jax.tree.leaves(again), jax.tree.leaves(first), strict=True):
+            np.testing.assert_array_equal(a, b)
+
+
+@needs_onednn
+@pytest.mark.parametrize("cin", [3, 4, 5, 64])
+def test_strided_1x1_gradients_stay_right_when_repeated(cin):
+    """Regression: oneDNN 3.2's AVX2 kernel gradient of a strided 1x1 convolution with 4 input
+    channels corrupted memory (wrong gradients in about 1 call of 30, then heap errors); the
+    wrapper now subsamples and runs a stride-1 convolution. Many calls, since it was
+    intermittent."""
+    x, w = _data(3, shape=(1, 8, 8, cin), kernel=(1, 1, cin, 8))
+    g = jax.random.normal(jax.random.PRNGKey(4), (1, 4, 4, 8))
+    grad = lambda f: jax.jit(jax.grad(
+        lambda x, w: jnp.sum(f(x, w, (2, 2), ((0, 0), (0, 0))) * g), argnums=(0, 1)))
+    expected, ours = grad(_native)(x, w), grad(_ours)
+    for _ in range(60):
+        for a, b in zip(ours(x, w), expected, strict=True):
+            np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
+
+
+@needs_onednn
+def test_cpu_impl_compiles_to_the_ffi_calls():
+    x, w = _data()
+    loss = lambda x, w: jnp.sum(conv.cpu_conv_general_dilated(x, w, (1, 1), PAD) ** 2)
+    hlo = jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).lower(x, w).as_text()
+    for target in onednn.TARGETS:
+        assert target in hlo
+
+
+def test_refuses_what_it_does_not_compute():
+    x, w = _data()
+    with pytest.raises(ValueError, match="float32"):
+        conv.onednn_conv_general_dilated(x.astype(jnp.bfloat16), w.astype(jnp.bfloat16),
+                                         (1, 1), PAD)
+    with pytest.raises(ValueError, match="float32"):
+        conv.onednn_conv_general_dilated(x, w, (1, 1), PAD, preferred_element_type=jnp.float16)
+
+
+@pytest.fixture
+def unavailable(monkeypatch):
+    """Makes the extension unavailable for the test, with a known reason."""
+    monkeypatch.setattr(onednn, "_load",
+                        lambda: onednn.OneDnnUnavailable("no oneDNN in this test"))
+
+
+def test_cpu_impl_falls_back_to_matmul_convolutions_with_a_warning(unavailable):
+    x, w = _data()
+    with pytest.warns(conv.OneDnnFallbackWarning, match="no oneDNN in this test"):
+        hlo = jax.jit(lambda x, w: conv.cpu_conv_general_dilated(x, w, (1, 1), PAD)).lower(
+            x, w).as_text()
+    assert not any(target in hlo for target in onednn.TARGETS)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", conv.OneDnnFallbackWarning)
+        got = jax.jit(lambda x, w: conv.cpu_conv_general_dilated(x, w, (1, 1), PAD))(x, w)
+    np.testing.assert_allclose(got, _native(x, w), rtol=1e-5, atol=1e-5)
+
+
+def test_asking_for_onednn_when_unavailable_is_a_config_error(unavailable):
+    with pytest.raises(ConfigError, match=r"conv_impl='onednn'.*no oneDNN in this test"):
+        validate(Config(conv_impl="onednn"), check_data=False)
+
+
+@needs_onednn
+def test_asking_for_onednn_validates_here():
+    validate(Config(conv_impl="onednn"), check_data=False)
+
+
+def test_missing_compiler_is_reported(monkeypatch):
+    monkeypatch.setenv("CXX", "no-such-compiler-fedjax")
+    with pytest.raises(onednn.OneDnnUnavailable, match="no C\\+\\+ compiler"):
+        onednn._build_inputs()
+
+
+@needs_onednn
+def test_failed_build_is_reported_and_leaves_no_library(monkeypatch, tmp_path):
+    broken = tmp_path / "broken.cc"
+    broken.write_text("this is not C++\n")
+    monkeypatch.setattr(onednn, "SOURCE", broken)
+    monkeypatch.setenv("FEDJAX_RCL_CACHE", str(tmp_path / "cache"))
+    with pytest.raises(onednn.OneDnnUnavailable, match="building broken.cc failed"):
+        onednn._build(onednn._build_inputs())
+    assert not list(Path(tmp_path / "cache" / "ext").glob("*.so"))
+
+
+@needs_onednn
+def test_build_is_cached_by_content(monkeypatch, tmp_path):
+    """The same inputs reuse the cached library; another source builds another one."""
+    monkeypatch.setenv("FEDJAX_RCL_CACHE", str(tmp_path))
+    inputs = onednn._build_inputs()
+    first = onednn._build(inputs)
+    mtime = first.stat().st_mtime_ns
+    assert onednn._build(inputs) == first and first.stat().st_mtime_ns == mtime
+    edited = tmp_path / "edited.cc"
+    edited.write_text(onednn.SOURCE.read_text() + "\n// edited\n")
+    monkeypatch.setattr(onednn, "SOURCE", edited)
+    assert onednn._build(inputs) != first
