@@ -91,7 +91,8 @@ class Config:
     seed: int = 0
     dataset: str = "digits"  # digits | cifar10 | cifar100 | imagefolder:PATH
     data_dir: str | None = None  # TFDS data dir for cifar10/cifar100
-    model: str = "cnn"  # cnn | resnet18 | resnet34
+    model: str = "cnn"  # cnn | resnet10 | resnet18 | resnet34
+    width: int | None = None  # ResNets: channels of the first stage (w, 2w, 4w, 8w); null: 64
     algorithm: str = "fedrcl"  # fedavg | fedprox | fedscl | fedrcl | fedcl | moon
     num_clients: int = 20
     participation: float = 0.25  # fraction of clients sampled each round
@@ -275,7 +276,7 @@ def validate(cfg: Config, *, check_data: bool = True) -> None:
     # Imported here: the registries live with their modules, and importing them pulls in JAX.
     from fedjax_rcl.algorithms import ALGORITHMS
     from fedjax_rcl.data.partitioning import METHODS
-    from fedjax_rcl.models import MODEL_LEVELS, MODELS
+    from fedjax_rcl.models import MODEL_LEVELS, MODELS, WIDTH_MODELS
     from fedjax_rcl.nn.conv import CONV_IMPLS
     from fedjax_rcl.nn.norm import NORMS
     from fedjax_rcl.server import AGGREGATIONS, SERVER_OPTIMIZERS
@@ -284,6 +285,13 @@ def validate(cfg: Config, *, check_data: bool = True) -> None:
     finite = lambda x: isinstance(x, int | float) and math.isfinite(x)
     _check(p, cfg.seed >= 0, "seed", cfg.seed, "must be an integer >= 0")
     _check(p, cfg.model in MODELS, "model", cfg.model, f"allowed: {', '.join(MODELS)}")
+    if cfg.width is not None:
+        if cfg.model in MODELS and cfg.model not in WIDTH_MODELS:
+            p.append(f"width={cfg.width!r}: model={cfg.model} has a fixed width; width applies "
+                     f"to {', '.join(WIDTH_MODELS)} (or leave it null)")
+        else:
+            _check(p, cfg.width >= 2 and cfg.width % 2 == 0, "width", cfg.width,
+                   "must be an even number >= 2 (GroupNorm's 2 groups split the channels)")
     _check(p, cfg.algorithm in ALGORITHMS, "algorithm", cfg.algorithm,
            f"allowed: {', '.join(ALGORITHMS)}")
     _check(p, cfg.num_clients >= 1, "num_clients", cfg.num_clients, "must be >= 1")

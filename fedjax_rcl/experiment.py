@@ -139,7 +139,7 @@ def build(cfg: Config, dataset: ImageDataset | None = None, *,
 
     entry = registered(cfg.algorithm)
     module = module or get_model(cfg.model, num_classes=dataset.num_classes,
-                                 conv_impl=cfg.conv_impl, norm=cfg.norm,
+                                 conv_impl=cfg.conv_impl, norm=cfg.norm, width=cfg.width,
                                  **entry.model_kwargs(cfg))
     model = model_fns(module)
     algorithm = entry.make(cfg, model)

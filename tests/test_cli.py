@@ -27,6 +27,8 @@ BAD = [
     (["batch_size=0"], "batch_size"),
     (["eval_every=0"], "eval_every"),
     (["model=vgg"], "model"),
+    (["width=16"], "width"),  # the default model, the CNN, has a fixed width
+    (["model=resnet10", "width=3"], "width"),
     (["algorithm=fedfoo"], "algorithm"),
     (["partition=random"], "partition"),
     (["aggregation=median"], "aggregation"),

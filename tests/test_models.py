@@ -87,3 +87,45 @@ def test_pytorch_default_initialisation(name):
 def test_unknown_model_is_refused():
     with pytest.raises(ValueError, match="model='vgg'"):
         get_model("vgg", num_classes=10)
+
+
+def _basic_resnet_params(stage_sizes, width, classes=10):
+    """Hand count of a CIFAR BasicBlock ResNet with GroupNorm (scale + bias per channel)."""
+    widths = [width * 2**s for s in range(4)]
+    n = 3 * 3 * 3 * width + 2 * width  # stem conv (no bias) + GN
+    cin = width
+    for s, (blocks, c) in enumerate(zip(stage_sizes, widths, strict=True)):
+        for b in range(blocks):
+            n += 9 * cin * c + 2 * c + 9 * c * c + 2 * c
+            if (s > 0 and b == 0) or cin != c:
+                n += cin * c + 2 * c  # 1x1 projection shortcut + GN
+            cin = c
+    return n + widths[-1] * classes + classes
+
+
+def test_hand_count_reproduces_the_reference_resnet18():
+    assert _basic_resnet_params((2, 2, 2, 2), 64) == 11_173_962
+
+
+@pytest.mark.parametrize("name,stages,width", [
+    ("resnet10", (1, 1, 1, 1), 64), ("resnet10", (1, 1, 1, 1), 16),
+    ("resnet18", (2, 2, 2, 2), 16), ("resnet18", (2, 2, 2, 2), 8),
+])
+def test_narrow_and_shallow_resnets(name, stages, width):
+    """``width`` scales every stage; ``resnet10`` has one block per stage; same five levels."""
+    model = get_model(name, num_classes=10, conv_impl="patches", width=width)
+    x = jax.random.uniform(jax.random.PRNGKey(0), (2, 32, 32, 3))
+    params = model.init(jax.random.PRNGKey(1), x)["params"]
+    assert sum(p.size for p in jax.tree.leaves(params)) == _basic_resnet_params(stages, width)
+    out = model.apply({"params": params}, x)
+    w = width
+    assert [f.shape for f in out.features] == [(2, w), (2, w), (2, 2 * w), (2, 4 * w),
+                                               (2, 8 * w)]
+    assert out.logits.shape == (2, 10) and out.embedding.shape == (2, 8 * w)
+    blocks = {k for k in params if k.startswith("stage")}
+    assert len(blocks) == sum(stages)
+
+
+def test_width_is_refused_for_the_cnn():
+    with pytest.raises(ValueError, match="fixed width"):
+        get_model("cnn", num_classes=10, width=16)

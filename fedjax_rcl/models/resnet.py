@@ -1,4 +1,4 @@
-"""CIFAR ResNet-18 with GroupNorm, as FedRCL's reference ``ResNet18_base`` (SPEC §4).
+"""CIFAR ResNets with GroupNorm, as FedRCL's reference ``ResNet18_base`` (SPEC §4).
 
 Stem conv3x3(3->64, stride 1, pad 1, no bias) -> GN -> [level 0] -> ReLU; four stages of two
 BasicBlocks (widths 64/128/256/512, first-block strides 1/2/2/2); each stage's last block output
@@ -6,6 +6,12 @@ BasicBlocks (widths 64/128/256/512, first-block strides 1/2/2/2); each stage's l
 GroupNorm with 2 groups and eps 1e-5 everywhere (``norm`` may choose BatchNorm or TwinNorm);
 convolutions padded symmetrically like PyTorch.
 11,173,962 parameters for 10 classes (same count as the reference).
+
+The same structure at CPU scale: ``width`` scales every stage (``width=16``: 16/32/64/128
+channels, 1/16 of the multiply-adds) and ``resnet10`` keeps one BasicBlock per stage. Both keep
+what FedRCL's multi-level loss depends on -- a GroupNorm stem level and four residual stage
+levels, pre-ReLU -- which MOON's small CNN lacks (its conv1 level has 6 channels and no
+normalization; FedRCL collapses it, SPEC §4).
 """
 
 from __future__ import annotations
@@ -83,9 +89,19 @@ class ResNet(nn.Module):
         return ModelOutput(logits, tuple(spatial_mean(f) for f in levels), embedding, z)
 
 
-def resnet18(num_classes: int, **kw) -> ResNet:
-    return ResNet(num_classes, stage_sizes=(2, 2, 2, 2), **kw)
+def stage_widths(width: int) -> tuple[int, ...]:
+    """The four stage widths of a CIFAR ResNet whose first stage has ``width`` channels."""
+    return (width, 2 * width, 4 * width, 8 * width)
 
 
-def resnet34(num_classes: int, **kw) -> ResNet:
-    return ResNet(num_classes, stage_sizes=(3, 4, 6, 3), **kw)
+def resnet10(num_classes: int, *, width: int = 64, **kw) -> ResNet:
+    """One BasicBlock per stage: ResNet-18's levels at about half its depth."""
+    return ResNet(num_classes, stage_sizes=(1, 1, 1, 1), widths=stage_widths(width), **kw)
+
+
+def resnet18(num_classes: int, *, width: int = 64, **kw) -> ResNet:
+    return ResNet(num_classes, stage_sizes=(2, 2, 2, 2), widths=stage_widths(width), **kw)
+
+
+def resnet34(num_classes: int, *, width: int = 64, **kw) -> ResNet:
+    return ResNet(num_classes, stage_sizes=(3, 4, 6, 3), widths=stage_widths(width), **kw)
