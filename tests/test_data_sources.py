@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from fedjax_rcl.data import imagefolder, sources
+from fedjax_rcl.data import imagefolder, normalization, sources
 from fedjax_rcl.data.sources import (
     DataError,
     channel_stats,
@@ -539,10 +539,54 @@ def test_shared_cifar10_zip(tmp_path, monkeypatch):
                               "horse", "ship", "truck")
     np.testing.assert_array_equal(np.bincount(ds.train_labels), [5000] * 10)
     np.testing.assert_array_equal(np.bincount(ds.test_labels), [1000] * 10)
-    np.testing.assert_allclose(ds.mean, (0.4914, 0.4822, 0.4465), atol=5e-3)  # JPEG vs binary
+    # SPEC §2: the named dataset's constants, not the zip's own statistics (std ~0.247).
+    assert ds.mean == (0.4914, 0.4822, 0.4465) and ds.std == (0.2023, 0.1994, 0.2010)
+    data_mean, data_std = channel_stats(ds.train_images)
+    np.testing.assert_allclose(data_mean, ds.mean, atol=5e-3)  # JPEG vs binary
+    assert min(data_std) > 0.24  # why the constants matter: the data's own std is larger
     monkeypatch.setattr(imagefolder, "_decode", _no_decode)
     start = time.perf_counter()
     cached = load_dataset(spec, cache_dir=tmp_path)
     print(f"shared zip: first load {first:.1f} s, cached {time.perf_counter() - start:.2f} s")
     np.testing.assert_array_equal(cached.test_images, ds.test_images)
     assert sources.default_cache_dir() != tmp_path  # the test used its own cache
+
+
+# ---------------------------------------------------------------------------------------------
+# normalisation: the SPEC's constants for named datasets, data statistics otherwise
+
+
+def _folder_of(tmp_path, classes, size, per_class=2, seed=0):
+    rng = np.random.default_rng(seed)
+    tree = {f"{split}/{c}/{i}.png": rng.integers(0, 256, (size, size, 3), dtype=np.uint8)
+            for split in ("train", "test") for c in classes for i in range(per_class)}
+    return _write_dir(tmp_path / "folder", _encoded(tree)), tree
+
+
+@pytest.mark.parametrize("name,classes,size", [
+    ("cifar10", sorted(normalization.CIFAR10_CLASSES), 32),
+    ("cifar100", sorted(normalization.CIFAR100_CLASSES), 32),
+    ("tiny_imagenet", [f"n{i:08d}" for i in range(200)], 64),
+])
+def test_named_dataset_in_a_folder_gets_the_spec_constants(tmp_path, name, classes, size):
+    root, _ = _folder_of(tmp_path, classes, size, per_class=1)
+    ds = load_dataset(f"imagefolder:{root}", cache_dir=tmp_path / "cache")
+    expected = {"cifar10": ((0.4914, 0.4822, 0.4465), (0.2023, 0.1994, 0.2010)),
+                "cifar100": ((0.5071, 0.4867, 0.4408), (0.2675, 0.2565, 0.2761)),
+                "tiny_imagenet": ((0.4802, 0.4481, 0.3975), (0.2770, 0.2691, 0.2821))}[name]
+    assert (ds.mean, ds.std) == expected
+
+
+@pytest.mark.parametrize("classes,size", [
+    (["cat", "dog", "ship"], 32),  # some CIFAR-10 names, not all of them
+    (sorted(normalization.CIFAR10_CLASSES), 16),  # CIFAR-10's names at another size
+    ([f"n{i:08d}" for i in range(200)], 32),  # wnids at 32x32
+])
+def test_unnamed_dataset_in_a_folder_is_normalised_by_its_own_statistics(tmp_path, classes,
+                                                                         size):
+    root, tree = _folder_of(tmp_path, classes, size, per_class=1)
+    ds = load_dataset(f"imagefolder:{root}", cache_dir=tmp_path / "cache")
+    x = _expected(tree, "train")[0] / 255.0
+    np.testing.assert_allclose(ds.mean, x.mean(axis=(0, 1, 2)), atol=1e-9)
+    np.testing.assert_allclose(ds.std, x.std(axis=(0, 1, 2)), atol=1e-9)
+    assert normalization.recognise(ds.class_names, ds.image_shape) is None

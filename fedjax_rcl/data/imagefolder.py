@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import io
+import logging
 import os
 import posixpath
 import re
@@ -29,7 +30,10 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
+from fedjax_rcl.data.normalization import NAMED, recognise
 from fedjax_rcl.data.sources import DataError, ImageDataset, cached_arrays, channel_stats
+
+_log = logging.getLogger(__name__)
 
 __all__ = ["IMAGE_EXTENSIONS", "check_imagefolder", "decode_images", "load_imagefolder"]
 
@@ -256,8 +260,9 @@ def load_imagefolder(path: str, *, cache_dir: str | os.PathLike | None = None) -
 
     Returns:
         The dataset named ``"imagefolder:<absolute path>"``; images ``uint8 [N, H, W, 3]``,
-        labels index the sorted class names, mean/std are the train images' per-channel
-        statistics, ``hflip=True``.
+        labels index the sorted class names, ``hflip=True``. mean/std are the SPEC's constants
+        when the folder holds a dataset the SPEC names (``normalization.recognise``: CIFAR-10,
+        CIFAR-100, Tiny-ImageNet), else the train images' per-channel statistics.
 
     Raises:
         DataError: On any of the problems listed in the module docstring.
@@ -286,11 +291,15 @@ def load_imagefolder(path: str, *, cache_dir: str | os.PathLike | None = None) -
                 "std": np.array(std)}
 
     arrays = cached_arrays(cache_dir, "imagefolder", key, build)
+    class_names = tuple(str(c) for c in arrays["class_names"])
+    mean, std = tuple(arrays["mean"].tolist()), tuple(arrays["std"].tolist())
+    named = recognise(class_names, arrays["train_images"].shape[1:])
+    if named is not None:  # SPEC §2: a named dataset keeps its constants whatever the source
+        mean, std = NAMED[named].mean, NAMED[named].std
+        _log.info("%s holds %s: normalising with the SPEC's constants", root, named)
     return ImageDataset(
         name=f"imagefolder:{root}",
         train_images=arrays["train_images"], train_labels=arrays["train_labels"],
         test_images=arrays["test_images"], test_labels=arrays["test_labels"],
-        class_names=tuple(str(c) for c in arrays["class_names"]),
-        mean=tuple(arrays["mean"].tolist()), std=tuple(arrays["std"].tolist()),
-        hflip=True,
+        class_names=class_names, mean=mean, std=std, hflip=True,
     )

@@ -36,15 +36,13 @@ import tensorflow_datasets as tfds
 from PIL import Image
 from tensorflow_datasets.image_classification import cifar
 
+from fedjax_rcl.data.normalization import NAMED
 from fedjax_rcl.data.sources import DataError, ImageDataset, cached_arrays
 
 __all__ = ["NORMALIZATION", "check_tfds", "load_tfds"]
 
 # Per-channel (mean, std) in [0, 1] units (SPEC section 2; the FedRCL reference's constants).
-NORMALIZATION = {
-    "cifar10": ((0.4914, 0.4822, 0.4465), (0.2023, 0.1994, 0.2010)),
-    "cifar100": ((0.5071, 0.4867, 0.4408), (0.2675, 0.2565, 0.2761)),
-}
+NORMALIZATION = {name: (NAMED[name].mean, NAMED[name].std) for name in ("cifar10", "cifar100")}
 DOWNLOAD_HOST = ("www.cs.toronto.edu", 443)
 CONNECT_TIMEOUT_S = 3.0
 _READ_CHUNK = 4096  # examples decoded per as_data_source() batch read
