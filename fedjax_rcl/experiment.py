@@ -106,7 +106,7 @@ def clients_in_parallel(cfg: Config, platform: str | None = None) -> int | None:
     Why: on a CPU, batching clients buys no throughput (the cores are busy with one client's
     convolutions) and costs cache and memory; for ResNet-18 a FedRCL round of 5 clients takes
     0.77x the time one after another with the patch convolutions, 0.74x with oneDNN's
-    (BENCHMARKS.md). The small CNN's round is as fast vmapped.
+    (benchmarks/HISTORY.md). The small CNN's round is as fast vmapped.
     """
     if cfg.clients_in_parallel:
         return cfg.clients_in_parallel

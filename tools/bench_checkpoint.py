@@ -1,6 +1,6 @@
 """Checkpoint size and save/restore time for the run state of a few configurations.
 
-    python tools/bench_checkpoint.py            # prints a table, appends it to BENCHMARKS.md
+    python tools/bench_checkpoint.py     # prints a table, appends it to benchmarks/HISTORY.md
 
 Measures, per configuration: the state's bytes, bytes on disk, the time ``save`` blocks the
 training loop (device-to-host copy; the write itself runs in the background), the time until the
@@ -90,7 +90,7 @@ def main():
     if not args.no_append:
         machine = (f"{platform.processor() or platform.machine()}, {jax.device_count()} "
                    f"{jax.default_backend()} device(s), jax {jax.__version__}")
-        with open(Path(__file__).resolve().parents[1] / "BENCHMARKS.md", "a") as f:
+        with open(Path(__file__).resolve().parents[1] / "benchmarks" / "HISTORY.md", "a") as f:
             f.write(f"\n## Checkpoints ({time.strftime('%Y-%m-%d')}, {machine})\n\n"
                     "`python tools/bench_checkpoint.py`: the whole run state (global model, "
                     "server optimizer, client-state table, key, round) through Orbax; median "

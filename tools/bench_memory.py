@@ -73,7 +73,7 @@ def main():
                 f"{r['peak_rss_gb']:.2f} | {r['round_s']:.1f} |" for r in rows))
     print(text)
     if not args.no_append:
-        with open(ROOT / "BENCHMARKS.md", "a") as f:
+        with open(ROOT / "benchmarks" / "HISTORY.md", "a") as f:
             f.write(f"\n## MOON client-state table: device vs host ({time.strftime('%Y-%m-%d')})"
                     f"\n\n`python tools/bench_memory.py --model {args.model} --clients "
                     f"{args.clients}` (one round, one client of 100 samples, one epoch).\n\n"

@@ -3,7 +3,7 @@ run client by client (a Python loop over the jitted local update) and against a 
 implementation of the same client update (``tools/torch_reference.py``).
 
     pip install -e ".[bench]"          # PyTorch 2.13 (CPU), only for this benchmark
-    python tools/bench_round.py        # full table (CNN and ResNet-18), appended to BENCHMARKS.md
+    python tools/bench_round.py        # full table (CNN and ResNet-18) -> benchmarks/HISTORY.md
     python tools/bench_round.py --quick --no-append
 
 Every configuration runs in a fresh subprocess, so its peak memory (max RSS) is its own. FLOP/s
@@ -201,12 +201,18 @@ def torch_available() -> bool:
 def machine() -> str:
     cpu = platform.processor() or platform.machine()
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
+        info = Path("/proc/cpuinfo").read_text()
     except OSError:
-        pass
+        info = ""
+    fields = dict(line.split(":", 1) for line in info.splitlines()[:30] if ":" in line)
+    fields = {k.strip(): v.strip() for k, v in fields.items()}
+    if "model name" in fields:
+        cpu = fields["model name"]
+        if "cpu family" in fields:  # "AMD EPYC" alone does not tell Zen 3 from Zen 5
+            cpu += f" (family {fields['cpu family']}, model {fields.get('model', '?')})"
+        flags = set(fields.get("flags", "").split())
+        isa = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "no AVX2"
+        cpu += f", {isa}"
     import jax
 
     return (f"{cpu}, {os.cpu_count()} cores, {jax.default_backend()}, jax {jax.__version__}, "
@@ -349,13 +355,13 @@ def main():
     print(text)
     print("\n".join(notes))
     (ROOT / "benchmarks").mkdir(exist_ok=True)
-    if not args.no_append:  # the plot goes with the table in BENCHMARKS.md
+    if not args.no_append:  # the plot goes with the appended table
         plot(rows, ROOT / "benchmarks" / "round_scaling.png")
     (ROOT / "benchmarks" / f"round-{time.strftime('%Y%m%d-%H%M%S')}.json").write_text(
         json.dumps({"machine": machine(), "matmul_peak_gflops": peak, "convolutions": convs,
                     "rows": rows}, indent=1))
     if not args.no_append:
-        with open(ROOT / "BENCHMARKS.md", "a") as f:
+        with open(ROOT / "benchmarks" / "HISTORY.md", "a") as f:
             f.write(f"\n## Round speed ({time.strftime('%Y-%m-%d')}; {machine()})\n\n"
                     f"`python tools/bench_round.py {' '.join(sys.argv[1:])}`; matmul peak "
                     f"{peak:.0f} GFLOP/s measured in the same run; convolutions: {convs}. Plot: "

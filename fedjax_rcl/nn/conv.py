@@ -11,7 +11,7 @@ and under ``vmap`` over a client axis of parameters it becomes a grouped convolu
 - ``onednn_conv_general_dilated``: oneDNN's direct kernels (the library behind PyTorch's CPU
   convolutions) for the forward pass and both gradients, called through XLA's FFI
   (``fedjax_rcl.nn.onednn``). Fastest everywhere it was measured: 2x the patch convolution on a
-  ResNet-18 step and the row convolution on MOON's CNN round (BENCHMARKS.md).
+  ResNet-18 step and the row convolution on MOON's CNN round (benchmarks/HISTORY.md).
 - Without the oneDNN extension, exact matmul formulations that XLA runs well: ``k*k`` shifted
   strided slices concatenated along channels ("patches") times the kernel, or, for layers with
   few input channels, whole image rows times a banded weight matrix (``rows``,
@@ -114,7 +114,7 @@ def patch_conv_general_dilated(
 
     The gradient is hand-written (``_patch_conv_bwd``): for stride 1 the input gradient is the
     patch convolution of the output gradient with the flipped kernel instead of autodiff's
-    col2im, which XLA:CPU fuses badly (BENCHMARKS.md).
+    col2im, which XLA:CPU fuses badly (benchmarks/HISTORY.md).
 
     Supports what the models here use: explicit or string padding, any stride, no dilation,
     ``feature_group_count == 1``. Anything else raises ``ValueError`` at trace time.
@@ -309,9 +309,9 @@ def prefers_rows(input_shape: Sequence[int], kernel_shape: Sequence[int],
     """The CPU rule without oneDNN: rows for few input channels, when the band wastes at most
     8x the work.
 
-    Measured on 2 CPU cores (BENCHMARKS.md): rows win for MOON's conv1 (3->6 channels, 32 wide,
-    6.4x the multiply-adds) and conv2 (6->16, 14 wide, 2.8x), and lose for ResNet's 3->64 stem
-    (34 wide, 11x) and every layer with 64+ input channels.
+    Measured on 2 CPU cores (benchmarks/HISTORY.md): rows win for MOON's conv1 (3->6 channels,
+    32 wide, 6.4x the multiply-adds) and conv2 (6->16, 14 wide, 2.8x), and lose for ResNet's
+    3->64 stem (34 wide, 11x) and every layer with 64+ input channels.
     """
     kh, kw, cin, _ = kernel_shape
     if isinstance(padding, str):

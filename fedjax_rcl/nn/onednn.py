@@ -2,12 +2,12 @@
 
 XLA:CPU's own convolution is fast only in its forward form; its kernel gradient inside
 ``lax.scan`` takes a slow generic path (jax-ml/jax#12868), and the patch formulation that
-replaces it materialises ``k_h * k_w`` copies of every activation (BENCHMARKS.md). oneDNN, the
-library behind PyTorch's CPU convolutions, runs the forward, input-gradient and kernel-gradient
-convolutions as direct JIT kernels without those copies. This module builds a small C++
-extension (``csrc/onednn_conv.cc``) against the oneDNN wheel on first use, caches it, and
-registers three FFI targets; ``fedjax_rcl.nn.conv.onednn_conv_general_dilated`` composes them
-into a differentiable convolution.
+replaces it materialises ``k_h * k_w`` copies of every activation (benchmarks/HISTORY.md).
+oneDNN, the library behind PyTorch's CPU convolutions, runs the forward, input-gradient and
+kernel-gradient convolutions as direct JIT kernels without those copies. This module builds a
+small C++ extension (``csrc/onednn_conv.cc``) against the oneDNN wheel on first use, caches it,
+and registers three FFI targets; ``fedjax_rcl.nn.conv.onednn_conv_general_dilated`` composes
+them into a differentiable convolution.
 
 The build needs a C++17 compiler (``$CXX`` or ``g++``), jaxlib's FFI headers and the
 ``onednn-devel-cpu-gomp`` wheel (a dependency on x86-64 Linux). When any of them is missing,
