@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+from fedjax_rcl.metrics.representation import (
+    class_covariance_traces,
+    effective_rank,
+    variability_collapse_index,
+)
+
 
 def ema(previous: float | None, value: float, decay: float = 0.9) -> float:
     """The paper's smoothed accuracy: ``ema_t = decay * ema_{t-1} + (1 - decay) * acc_t``,
@@ -9,4 +15,4 @@ def ema(previous: float | None, value: float, decay: float = 0.9) -> float:
     return value if previous is None else decay * previous + (1.0 - decay) * value
 
 
-__all__ = ["ema"]
+__all__ = ["class_covariance_traces", "effective_rank", "ema", "variability_collapse_index"]
