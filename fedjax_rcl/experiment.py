@@ -12,7 +12,6 @@ import contextlib
 import dataclasses
 import json
 import math
-import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -23,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
+from fedjax_rcl import rundir
 from fedjax_rcl.algorithms import ClientAlgorithm, registered
 from fedjax_rcl.checkpoint import Checkpointer, Restored
 from fedjax_rcl.config import (
@@ -57,6 +57,7 @@ from fedjax_rcl.engine.sharding import (
 )
 from fedjax_rcl.metrics import ema
 from fedjax_rcl.models import ModelFns, get_model, model_fns
+from fedjax_rcl.rundir import atomic_write_text, read_metrics_upto
 from fedjax_rcl.server import server_optimizer
 
 
@@ -129,6 +130,11 @@ def build(cfg: Config, dataset: ImageDataset | None = None, *,
         raise ConfigError([f"num_clients={cfg.num_clients}: must be <= the "
                            f"{len(dataset.train_labels)} training samples of {cfg.dataset}"])
     parts = make_partition(cfg, dataset.train_labels)
+    largest = max(len(p) for p in parts)
+    if cfg.batch_size > largest:
+        raise ConfigError([f"batch_size={cfg.batch_size}: larger than every client's data (the "
+                           f"largest of the {cfg.num_clients} clients holds {largest} samples); "
+                           f"use batch_size <= {largest} or fewer clients"])
     try:
         mesh = client_mesh(cfg.devices)
     except ValueError as e:
@@ -186,30 +192,6 @@ def build(cfg: Config, dataset: ImageDataset | None = None, *,
                       local_update, run_round, run_rounds, evaluate, mesh)
 
 
-def default_run_dir(cfg: Config) -> Path:
-    name = cfg.dataset.split(":", 1)[0]
-    return Path("runs") / f"{name}-{cfg.algorithm}-{time.strftime('%Y%m%d-%H%M%S')}"
-
-
-def resolve_run_dir(cfg: Config) -> Path:
-    """The run directory; refuses one that already holds a run (checked before any work)."""
-    run_dir = Path(cfg.run_dir) if cfg.run_dir else default_run_dir(cfg)
-    if (run_dir / "metrics.jsonl").exists():
-        raise ConfigError([f"run_dir={str(run_dir)!r}: already holds a run (metrics.jsonl); "
-                           "choose another run_dir"])
-    if run_dir.exists() and not run_dir.is_dir():
-        raise ConfigError([f"run_dir={str(run_dir)!r}: exists and is not a directory"])
-    return run_dir
-
-
-def create_run_dir(run_dir: Path) -> Path:
-    try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise ConfigError([f"run_dir={str(run_dir)!r}: cannot create ({e.strerror})"]) from None
-    return run_dir
-
-
 def _check_finite(metrics: dict, first_round: int, n: int) -> None:
     losses = np.asarray(metrics["client_loss"][:n])
     bad = np.argwhere(~np.isfinite(losses))
@@ -229,33 +211,10 @@ def _join_cluster(cfg: Config) -> None:
     initialize_distributed(d.coordinator_address, d.num_processes, d.process_id)
 
 
-def atomic_write_text(path: Path, text: str) -> None:
-    """Writes a file so that a reader (or a resumed run) never sees half of it (the primary
-    process writes; the others skip)."""
-    if not is_primary():
-        return
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def read_metrics_upto(path: Path, last_round: int) -> list[str]:
-    """The lines of ``metrics.jsonl`` for rounds ``<= last_round``; a torn last line (a run
-    killed while writing it) is dropped."""
-    if not path.exists():
-        return []
-    keep = []
-    for line in path.read_text().splitlines():
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if record.get("round", last_round + 1) <= last_round:
-            keep.append(line)
-    return keep
+def _write(path: Path, text: str) -> None:
+    """Replaces a run file atomically (the primary process writes; the others skip)."""
+    if is_primary():
+        atomic_write_text(path, text)
 
 
 def _checkpoint_meta(cfg: Config, done: int, acc_ema: float | None) -> dict:
@@ -395,15 +354,16 @@ def train(cfg: Config, *, dataset: ImageDataset | None = None, progress: bool = 
     """
     _join_cluster(cfg)
     log = log if is_primary() else _silent
-    run_dir = resolve_run_dir(cfg)
+    run_dir = rundir.resolve_new(cfg)
     exp = build(cfg, dataset)  # data-dependent checks happen here, still before any compile
-    create_run_dir(run_dir)
-    atomic_write_text(run_dir / "config.yaml", to_yaml(cfg))
-    log(_describe(exp, run_dir))
-    ckpt = Checkpointer(run_dir / "checkpoints", keep=cfg.keep_checkpoints)
-    # A run always has a checkpoint.
-    ckpt.save(0, _checkpoint_tree(exp, exp.state), _checkpoint_meta(cfg, 0, None))
-    return _run(exp, run_dir, ckpt, exp.state, 0, None, progress=progress, log=log)
+    run_dir = rundir.create_new(cfg, run_dir)
+    with rundir.locked(run_dir, enabled=is_primary(), new_run=True):
+        _write(run_dir / "config.yaml", to_yaml(cfg))
+        log(_describe(exp, run_dir))
+        ckpt = Checkpointer(run_dir / "checkpoints", keep=cfg.keep_checkpoints)
+        # A run always has a checkpoint.
+        ckpt.save(0, _checkpoint_tree(exp, exp.state), _checkpoint_meta(cfg, 0, None))
+        return _run(exp, run_dir, ckpt, exp.state, 0, None, progress=progress, log=log)
 
 
 def _load_run_config(run_dir: Path, overrides=()) -> tuple[Config, Config]:
@@ -428,7 +388,13 @@ def resume(run_dir: str | Path, overrides=(), *, force: bool = False,
     run_dir = Path(run_dir)
     saved, cfg = _load_run_config(run_dir, overrides)
     _join_cluster(cfg)
-    log = log if is_primary() else _silent
+    with rundir.locked(run_dir, enabled=is_primary()):
+        return _resume_locked(run_dir, saved, cfg, force=force, dataset=dataset,
+                              progress=progress, log=log if is_primary() else _silent)
+
+
+def _resume_locked(run_dir: Path, saved: Config, cfg: Config, *, force: bool,
+                   dataset: ImageDataset | None, progress: bool, log) -> dict:
     changed = changed_keys(saved, cfg)
     if changed and not force:
         raise ConfigError([f"resume: {', '.join(changed)} would change the run's results "
@@ -454,8 +420,8 @@ def resume(run_dir: str | Path, overrides=(), *, force: bool = False,
     done = restored.step
     ckpt.set_aside([s for s in ckpt.steps() if s > done])  # the damaged ones we skipped
     lines = read_metrics_upto(run_dir / "metrics.jsonl", done)
-    atomic_write_text(run_dir / "metrics.jsonl", "".join(f"{x}\n" for x in lines))
-    atomic_write_text(run_dir / "config.yaml", to_yaml(cfg))
+    _write(run_dir / "metrics.jsonl", "".join(f"{x}\n" for x in lines))
+    _write(run_dir / "config.yaml", to_yaml(cfg))
     log(_describe(exp, run_dir))
     log(f"resuming from the checkpoint of round {done} (of {cfg.rounds})")
     state = _from_checkpoint_tree(exp, restored.state)
