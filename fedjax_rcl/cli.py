@@ -135,9 +135,14 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _partition(cfg, plot_path: str) -> int:
+    from fedjax_rcl.config import ConfigError
     from fedjax_rcl.data import class_counts, heterogeneity_summary, load_dataset, plot_class_counts
     from fedjax_rcl.experiment import make_partition
 
+    parent = os.path.dirname(os.path.abspath(plot_path))
+    if not os.path.isdir(parent):  # checked before the data is loaded
+        raise ConfigError([f"--plot {plot_path}: directory {parent} does not exist; create it "
+                           "or give another path"])
     ds = load_dataset(cfg.dataset, data_dir=cfg.data_dir)
     parts = make_partition(cfg, ds.train_labels)
     counts = class_counts(ds.train_labels, parts, ds.num_classes)

@@ -168,17 +168,62 @@ def load_config(path: str | None = None, overrides: list[str] | tuple[str, ...] 
     bad = [o for o in overrides if "=" not in o or o.startswith("=")]
     if bad:
         raise ConfigError([f"override {o!r}: expected key=value" for o in bad])
+    overrides = [_quote_string_value(o) for o in overrides]
     try:
-        layers.append(OmegaConf.from_dotlist(list(overrides)))
-    except OmegaConfBaseException as e:
-        raise ConfigError([f"overrides: {str(e).splitlines()[0]}"]) from None
+        return _merged(base, layers, overrides)
+    except ConfigError as first:
+        if not overrides:
+            raise
+        # Report every problem at once: each override's own type errors, then the values of
+        # the overrides that type-check.
+        problems, good = [], []
+        for o in overrides:
+            try:
+                _merged(base, layers, [o], check=False)
+                good.append(o)
+            except ConfigError as e:
+                problems.extend(e.problems)
+        try:
+            _merged(base, layers, good)
+        except ConfigError as e:
+            problems.extend(p for p in e.problems if p not in problems)
+        raise ConfigError(problems or first.problems) from None
+
+
+def _merged(base, layers: list, overrides: list[str], *, check: bool = True) -> Config:
+    """Defaults <- layers <- overrides as a ``Config``; ``validate``d when ``check``."""
     try:
-        merged = OmegaConf.merge(base, *layers)
-        cfg = OmegaConf.to_object(merged)
+        cfg = OmegaConf.to_object(OmegaConf.merge(base, *layers,
+                                                  OmegaConf.from_dotlist(overrides)))
     except OmegaConfBaseException as e:
         raise ConfigError([_format_key_error(e)]) from None
-    validate(cfg)
+    if check:
+        validate(cfg)
     return cfg
+
+
+def _field_type(key: str) -> str | None:
+    """The annotation of a dotted config key (``"str | None"``), or None if it is not one."""
+    schema = Config
+    *parents, name = key.split(".")
+    for parent in parents:
+        default = getattr(schema(), parent, None)
+        if not dataclasses.is_dataclass(default):
+            return None
+        schema = type(default)
+    fields = {f.name: f.type for f in dataclasses.fields(schema)}
+    return str(fields[name]) if name in fields else None
+
+
+def _quote_string_value(override: str) -> str:
+    """``key=value`` with the value quoted when the key is a string: OmegaConf would otherwise
+    read ``dataset=imagefolder:`` as the mapping ``{imagefolder: null}``."""
+    key, _, value = override.partition("=")
+    if _field_type(key) not in ("str", "str | None") or value in ("null", "~", ""):
+        return override
+    if value[:1] in ("'", '"') and value[-1:] == value[:1] and len(value) > 1:
+        return override
+    return f"{key}='{value.replace(chr(39), chr(39) * 2)}'"
 
 
 # Keys that a resumed run may change without changing any result.

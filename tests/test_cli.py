@@ -41,6 +41,8 @@ BAD = [
     (["server.nu=1"], "server.nu"),
     (["rounds"], "rounds"),
     (["num_clients=5000"], "num_clients"),  # more clients than digits has training samples
+    (["dataset=imagefolder:"], "names no path"),  # was OmegaConf's "Cannot convert DictConfig"
+    (["batch_size=1000"], "batch_size"),  # larger than every client's data (71 samples)
 ]
 
 
@@ -73,6 +75,29 @@ def test_several_problems_are_all_reported(capsys):
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 3
     assert all(f in err for f in ("rounds", "lr", "model"))
+
+
+def test_type_errors_and_value_errors_are_reported_together(capsys):
+    """A type error (rounds=1.5) used to hide every other problem."""
+    assert main(["train", "lr=nan", "rounds=1.5", "seed=-1", "width=3"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 4, err
+    for field in ("lr=nan", "rounds", "seed=-1", "width=3"):
+        assert sum(field in line for line in err) == 1, (field, err)
+
+
+def test_string_values_are_taken_verbatim(capsys):
+    assert main(["train", "run_dir=a:b", "--print-config"]) == 0
+    assert "run_dir: a:b" in capsys.readouterr().out
+    assert main(["train", "run_dir=null", "--print-config"]) == 0
+    assert "run_dir: null" in capsys.readouterr().out
+
+
+def test_partition_plot_into_a_missing_directory(tmp_path, capsys):
+    plot = tmp_path / "missing" / "p.png"
+    assert main(["partition", "--plot", str(plot)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "does not exist" in err and str(plot) in err
 
 
 def test_yaml_then_overrides(tmp_path, capsys):

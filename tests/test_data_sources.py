@@ -281,6 +281,15 @@ def test_imagefolder_path_errors(tmp_path):
     text.write_text("not a zip")
     with pytest.raises(DataError, match=f"{text} is neither a directory nor a zip"):
         check_dataset_spec(f"imagefolder:{text}")
+    # A zip cut short (an interrupted copy) says so, not "neither a directory nor a zip".
+    whole = _write_zip(tmp_path / "whole.zip", _encoded(
+        {f"{split}/c{k}/{i}.png": np.full((8, 8, 3), i, np.uint8)
+         for split in ("train", "test") for k in range(2) for i in range(3)}))
+    cut = tmp_path / "cut.zip"
+    cut.write_bytes(whole.read_bytes()[: whole.stat().st_size // 2])
+    for check in (True, False):
+        with pytest.raises(DataError, match=f"{cut} is a damaged or truncated zip"):
+            (check_dataset_spec if check else load_dataset)(f"imagefolder:{cut}")
 
 
 def _layout_error(tmp_path, files: dict[str, bytes], match: str, monkeypatch) -> None:

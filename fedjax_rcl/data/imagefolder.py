@@ -67,12 +67,25 @@ def _is_image(path: str) -> bool:
     return posixpath.splitext(path)[1].lower() in IMAGE_EXTENSIONS
 
 
+def _starts_like_zip(path: Path) -> bool:
+    """Whether the file begins with a zip local-file header (``PK\\x03\\x04``)."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == b"PK\x03\x04"
+    except OSError:
+        return False
+
+
 def _resolve_root(path: str) -> Path:
     """``PATH`` of ``imagefolder:PATH`` -> absolute path of an existing directory or zip file."""
     root = Path(path).expanduser().resolve()
     if not root.exists():
         raise DataError(f"imagefolder path {root} does not exist; give a directory or .zip"
                         " holding train/<class>/* and test/<class>/*")
+    if root.is_file() and not zipfile.is_zipfile(root) and _starts_like_zip(root):
+        raise DataError(f"imagefolder path {root} is a damaged or truncated zip archive (it "
+                        "starts like one but has no readable directory); copy or download it "
+                        "again")
     if not (root.is_dir() or zipfile.is_zipfile(root)):
         raise DataError(f"imagefolder path {root} is neither a directory nor a zip archive;"
                         " give a directory or .zip holding train/<class>/* and test/<class>/*")
