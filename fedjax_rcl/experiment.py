@@ -332,7 +332,8 @@ def _run(exp: Experiment, run_dir: Path, ckpt: Checkpointer, state: ServerState,
     elapsed = time.perf_counter() - start
     if is_primary():
         plot_metrics(run_dir / "metrics.jsonl", run_dir / "accuracy.png",
-                     title=f"{cfg.algorithm} · {cfg.model} · {cfg.dataset}")
+                     title=f"{cfg.algorithm} · {cfg.model} · {cfg.dataset}",
+                     ema_decay=cfg.ema_decay, eval_every=cfg.eval_every)
     if record:
         rate = (done - first) / elapsed
         log(f"done: rounds {first}..{done} in {elapsed:.1f} s ({rate:.2f} rounds/s, "

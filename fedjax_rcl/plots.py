@@ -12,8 +12,15 @@ def read_metrics(path: str | Path) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def plot_metrics(metrics_path: str | Path, out_path: str | Path, *, title: str = "") -> Path:
-    """Test accuracy (raw and EMA) and train loss against rounds, saved as PNG."""
+def plot_metrics(metrics_path: str | Path, out_path: str | Path, *, title: str = "",
+                 ema_decay: float = 0.9, eval_every: int = 1) -> Path:
+    """Test accuracy (raw and EMA) and the losses against rounds, saved as PNG.
+
+    ``ema_decay`` and ``eval_every`` label the EMA curve as it was computed: one EMA step per
+    evaluation, which is the paper's per-round EMA only when ``eval_every == 1``. The local
+    training loss is the whole client objective (CE plus the algorithm's terms), so it gets its
+    own panel rather than sharing an axis with the test cross-entropy.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
@@ -21,19 +28,27 @@ def plot_metrics(metrics_path: str | Path, out_path: str | Path, *, title: str =
 
     rows = read_metrics(metrics_path)
     rounds = [r["round"] for r in rows]
-    fig, (ax_acc, ax_loss) = plt.subplots(1, 2, figsize=(10, 3.8))
+    fig, (ax_acc, ax_test, ax_train) = plt.subplots(1, 3, figsize=(14, 3.8))
     ax_acc.plot(rounds, [r["test_accuracy"] for r in rows], lw=1, alpha=0.5, label="test accuracy")
-    ax_acc.plot(rounds, [r["test_accuracy_ema"] for r in rows], lw=2, label="EMA 0.9")
+    per = "per round" if eval_every == 1 else f"per evaluation (every {eval_every} rounds)"
+    ax_acc.plot(rounds, [r["test_accuracy_ema"] for r in rows], lw=2,
+                label=f"EMA {ema_decay:g}, {per}")
     ax_acc.set_xlabel("round")
     ax_acc.set_ylabel("accuracy")
     ax_acc.grid(alpha=0.3)
     ax_acc.legend()
-    ax_loss.plot(rounds, [r["train_loss"] for r in rows], label="train (local) loss")
-    ax_loss.plot(rounds, [r["test_loss"] for r in rows], label="test loss")
-    ax_loss.set_xlabel("round")
-    ax_loss.set_ylabel("loss")
-    ax_loss.grid(alpha=0.3)
-    ax_loss.legend()
+    ax_test.plot(rounds, [r["test_loss"] for r in rows])
+    ax_test.set_ylabel("test cross-entropy")
+    terms = [k for k in rows[0] if k not in ("round", "test_accuracy", "test_accuracy_ema",
+                                            "test_loss", "train_loss", "elapsed_s")] if rows else []
+    ax_train.plot(rounds, [r["train_loss"] for r in rows], lw=2, label="local objective")
+    for k in terms:
+        ax_train.plot(rounds, [r[k] for r in rows], lw=1, label=k)
+    ax_train.set_ylabel("local training loss (mean over clients)")
+    for ax in (ax_test, ax_train):
+        ax.set_xlabel("round")
+        ax.grid(alpha=0.3)
+    ax_train.legend(fontsize=8)
     if title:
         fig.suptitle(title)
     fig.tight_layout()
