@@ -250,16 +250,22 @@ class ResNet18(_Module):
     """CIFAR ResNet-18 with GroupNorm(2, C) (``models/resnet.py``, the reference's
     ``ResNet18_base``): levels = the stem's GN output and each stage's last block output, all
     pre-ReLU; head = global average pool -> Linear(512, classes). Module names follow our Flax
-    names (``stem_conv``, ``stage2_block1.shortcut_norm``, ...) so weights copy by name."""
+    names (``stem_conv``, ``stage2_block1.shortcut_norm``, ...) so weights copy by name.
+
+    ``stage_sizes`` and ``width`` give the same family as our ``resnet10``/``resnet18(width=)``:
+    blocks per stage (``(1, 1, 1, 1)`` is ResNet-10) and the first stage's channels (stages
+    ``w/2w/4w/8w``; the stem has ``w``); the defaults are ResNet-18."""
 
     def __init__(self, num_classes: int, *, in_channels: int = 3,
-                 projection_dim: int | None = None):
+                 projection_dim: int | None = None,
+                 stage_sizes: Sequence[int] = _RESNET18_STAGES, width: int = 64):
         super().__init__()
-        self.stem_conv = nn.Conv2d(in_channels, 64, 3, 1, 1, bias=False)
-        self.stem_norm = _gn(64)
-        cin = 64
+        widths = tuple(width * 2**s for s in range(len(stage_sizes)))
+        self.stem_conv = nn.Conv2d(in_channels, widths[0], 3, 1, 1, bias=False)
+        self.stem_norm = _gn(widths[0])
+        cin = widths[0]
         self.block_names = []
-        for s, (blocks, width) in enumerate(zip(_RESNET18_STAGES, _RESNET_WIDTHS, strict=True)):
+        for s, (blocks, width) in enumerate(zip(stage_sizes, widths, strict=True)):
             for b in range(blocks):
                 name = f"stage{s + 1}_block{b + 1}"
                 setattr(self, name, BasicBlock(cin, width, 2 if (s > 0 and b == 0) else 1))
@@ -283,8 +289,12 @@ class ResNet18(_Module):
 
 
 def build_model(model_name: str, *, num_classes: int = 10, in_channels: int = 3,
-                image_size: int = 32, projection_dim: int | None = None):
+                image_size: int = 32, projection_dim: int | None = None,
+                stage_sizes: Sequence[int] = _RESNET18_STAGES, width: int = 64):
     """A torch model by our config name, in channels_last memory format.
+
+    ``stage_sizes`` and ``width`` shape the ResNet (see :class:`ResNet18`; ``(1, 1, 1, 1)`` and
+    16 are our ``resnet10`` at ``width: 16``); the CNN ignores them.
 
     channels_last is PyTorch's fastest CPU layout for the ResNet (``shared/NOTES.md``) and no
     slower for the CNN (measured: 6.7 vs 7.0 ms per FedRCL forward+backward, one thread), and our
@@ -295,7 +305,8 @@ def build_model(model_name: str, *, num_classes: int = 10, in_channels: int = 3,
         model = SmallCNN(num_classes, in_channels=in_channels, image_size=image_size,
                          projection_dim=projection_dim)
     elif model_name == "resnet18":
-        model = ResNet18(num_classes, in_channels=in_channels, projection_dim=projection_dim)
+        model = ResNet18(num_classes, in_channels=in_channels, projection_dim=projection_dim,
+                         stage_sizes=stage_sizes, width=width)
     else:
         raise ValueError(f"model={model_name!r}: allowed {MODELS}")
     return model.to(memory_format=torch.channels_last)
@@ -538,7 +549,8 @@ class TorchFederation:
 
     Models are built once (construction is not part of a round's work); each client copies the
     global weights into the one local model, trains it, and adds it to a running sum that becomes
-    the uniform mean at the end of the round.
+    the uniform mean at the end of the round. ``model_kwargs`` go to :func:`build_model` (e.g.
+    the ResNet's ``stage_sizes`` and ``width``).
     """
 
     def __init__(self, model_name: str, algorithm: str | Objective, *, images, labels,
@@ -546,7 +558,8 @@ class TorchFederation:
                  batch: int = 50, epochs: int = 5, lr: float = 0.1, lr_decay: float = 0.998,
                  weight_decay: float = 1e-3, clip_norm: float = 10.0, hflip: bool = True,
                  max_degrees: float = 10.0, crop_padding: int = 4, augment: bool = True,
-                 projection_dim: int = 256, flax_params: Mapping | None = None, seed: int = 0):
+                 projection_dim: int = 256, flax_params: Mapping | None = None, seed: int = 0,
+                 model_kwargs: Mapping | None = None):
         _require_torch()
         self.objective = algorithm if isinstance(algorithm, Objective) else Objective(algorithm)
         self.images = _tensor(images, torch.uint8)
@@ -567,6 +580,7 @@ class TorchFederation:
                   image_size=self.images.shape[1], projection_dim=projection_dim if moon else None)
         if model_name == "resnet18":
             kw.pop("image_size")
+        kw.update(model_kwargs or {})  # e.g. the ResNet's stage_sizes and width
         self.global_model = build_model(model_name, **kw)
         if flax_params is not None:
             load_flax_params(self.global_model, flax_params)
