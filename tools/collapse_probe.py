@@ -1,6 +1,7 @@
 """How collapsed are a run's features? Diagnostics of the newest checkpoint's global model.
 
-On ``--images`` test images (a fixed random subset of the test set), with the global model in eval mode:
+On ``--images`` test images (a fixed random subset of the test set), with the global model in
+eval mode:
 
 * per feature level (FedRCL's levels, pooled, pre-ReLU) and for the embedding: the mean
   pairwise cosine similarity over distinct pairs (1.0 = every image maps to one direction);
