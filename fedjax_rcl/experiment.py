@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from fedjax_rcl import rundir
+from fedjax_rcl import interrupts, rundir
 from fedjax_rcl.algorithms import ClientAlgorithm, registered
 from fedjax_rcl.checkpoint import Checkpointer, Restored
 from fedjax_rcl.config import (
@@ -223,6 +223,7 @@ def _checkpoint_meta(cfg: Config, done: int, acc_ema: float | None) -> dict:
 
 def _compile(exp: Experiment, log):
     """Compiles the round program and the evaluation once, before the loop."""
+    log("compiling the round (once per run; a repeat reads JAX's cache)...")
     t0 = time.perf_counter()
     if exp.host_table is None:
         n_dev = put_replicated(np.int32(exp.cfg.eval_every), exp.mesh)
@@ -314,15 +315,16 @@ def _run(exp: Experiment, run_dir: Path, ckpt: Checkpointer, state: ServerState,
                           "train_loss": float(np.mean(metrics["loss"][:n])), **terms,
                           "elapsed_s": round(time.perf_counter() - start, 3)}
                 if out is not None:
-                    out.write(json.dumps(record) + "\n")
-                    out.flush()
+                    with interrupts.critical():  # never a torn line
+                        out.write(json.dumps(record) + "\n")
+                        out.flush()
                 # Checkpoints land on evaluation boundaries, so a resumed run's metrics lines
                 # line up with the uninterrupted run's.
                 if done == cfg.rounds or (cfg.checkpoint_every
                                           and done - last_saved >= cfg.checkpoint_every):
                     last_saved = done
-                    ckpt.save(done, _checkpoint_tree(exp, state),
-                              _checkpoint_meta(cfg, done, acc_ema))
+                    _save(ckpt, run_dir, done, _checkpoint_tree(exp, state),
+                          _checkpoint_meta(cfg, done, acc_ema))
                 bar.update(n)
                 bar.set_postfix(loss=f"{record['train_loss']:.3f}", acc=f"{acc:.3f}",
                                 ema=f"{acc_ema:.3f}")
@@ -359,12 +361,23 @@ def train(cfg: Config, *, dataset: ImageDataset | None = None, progress: bool = 
     exp = build(cfg, dataset)  # data-dependent checks happen here, still before any compile
     run_dir = rundir.create_new(cfg, run_dir)
     with rundir.locked(run_dir, enabled=is_primary(), new_run=True):
-        _write(run_dir / "config.yaml", to_yaml(cfg))
+        interrupts.resume_status(run_dir, None)
+        with interrupts.critical():
+            _write(run_dir / "config.yaml", to_yaml(cfg))
         log(_describe(exp, run_dir))
         ckpt = Checkpointer(run_dir / "checkpoints", keep=cfg.keep_checkpoints)
         # A run always has a checkpoint.
-        ckpt.save(0, _checkpoint_tree(exp, exp.state), _checkpoint_meta(cfg, 0, None))
+        _save(ckpt, run_dir, 0, _checkpoint_tree(exp, exp.state), _checkpoint_meta(cfg, 0, None))
         return _run(exp, run_dir, ckpt, exp.state, 0, None, progress=progress, log=log)
+
+
+def _save(ckpt: Checkpointer, run_dir: Path, step: int, tree, meta: dict) -> None:
+    """A checkpoint made durable before the loop goes on, so that an interrupt (which waits
+    for it) can name it as the last complete one."""
+    with interrupts.critical():
+        ckpt.save(step, tree, meta)
+        ckpt.wait()
+    interrupts.resume_status(run_dir, step)
 
 
 def _load_run_config(run_dir: Path, overrides=()) -> tuple[Config, Config]:
@@ -390,6 +403,8 @@ def resume(run_dir: str | Path, overrides=(), *, force: bool = False,
     saved, cfg = _load_run_config(run_dir, overrides)
     _join_cluster(cfg)
     with rundir.locked(run_dir, enabled=is_primary()):
+        interrupts.set_status(f"run_dir {run_dir}: unchanged; continue with: fedjax-rcl resume "
+                              f"{run_dir}")
         return _resume_locked(run_dir, saved, cfg, force=force, dataset=dataset,
                               progress=progress, log=log if is_primary() else _silent)
 
@@ -412,7 +427,7 @@ def _resume_locked(run_dir: Path, saved: Config, cfg: Config, *, force: bool,
         # Killed before its first checkpoint was complete: nothing was lost but the start.
         log(f"{run_dir}: no complete checkpoint yet; starting the run from round 0")
         restored = Restored(_checkpoint_tree(exp, exp.state), _checkpoint_meta(cfg, 0, None), 0)
-        ckpt.save(0, restored.state, restored.meta)
+        _save(ckpt, run_dir, 0, restored.state, restored.meta)
     digest = restored.meta.get("config_digest")
     if digest != config_digest(cfg) and not force:
         ckpt.close()
@@ -421,8 +436,10 @@ def _resume_locked(run_dir: Path, saved: Config, cfg: Config, *, force: bool,
     done = restored.step
     ckpt.set_aside([s for s in ckpt.steps() if s > done])  # the damaged ones we skipped
     lines = read_metrics_upto(run_dir / "metrics.jsonl", done)
-    _write(run_dir / "metrics.jsonl", "".join(f"{x}\n" for x in lines))
-    _write(run_dir / "config.yaml", to_yaml(cfg))
+    with interrupts.critical():
+        _write(run_dir / "metrics.jsonl", "".join(f"{x}\n" for x in lines))
+        _write(run_dir / "config.yaml", to_yaml(cfg))
+    interrupts.resume_status(run_dir, done)
     log(_describe(exp, run_dir))
     log(f"resuming from the checkpoint of round {done} (of {cfg.rounds})")
     state = _from_checkpoint_tree(exp, restored.state)

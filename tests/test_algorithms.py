@@ -103,6 +103,7 @@ def test_fedprox_term_pulls_towards_the_global_model(toy):
     assert 0 < history[-1][1]["prox"] < 1.0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("norm,algorithm", [("batch", "fedavg"), ("twin", "fedcl"),
                                             ("group", "fedrcl")])
 def test_normalizations_train_through_the_engine(toy, norm, algorithm):

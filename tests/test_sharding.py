@@ -36,6 +36,7 @@ def _assert_close(a, b):
     assert a["test_loss"] == pytest.approx(b["test_loss"], rel=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("algorithm,participation,chunk,devices", [
     ("fedrcl", 0.5, 0, [1, 2, 4]),  # 4 clients over 1, 2, 4 devices
     # 5 clients, 2 at a time (lax.map over groups of a vmap), padded to 6 and sharded over 2
@@ -57,6 +58,7 @@ def _free_port():
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_two_processes_match_one():
     """Two processes on localhost, one CPU device each, form one 2-device cluster."""
     single = _run(["--devices", "1", "--algorithm", "moon", "--participation", "0.5"],
