@@ -293,6 +293,9 @@ def _run(exp: Experiment, run_dir: Path, ckpt: Checkpointer, state: ServerState,
     advance, evaluate, compile_s = _compile(exp, log)
     record: dict = {}
     start, first, last_saved = time.perf_counter(), done, done
+    # Loop time of the rounds before ``done`` (earlier processes of this run, if resumed).
+    prior = read_metrics_upto(run_dir / "metrics.jsonl", done)
+    prior_s = json.loads(prior[-1]).get("total_s", 0.0) if prior else 0.0
     bar = tqdm(total=cfg.rounds, initial=done, unit="round",
                disable=not progress or not is_primary(), dynamic_ncols=True)
     try:
@@ -300,6 +303,7 @@ def _run(exp: Experiment, run_dir: Path, ckpt: Checkpointer, state: ServerState,
               else contextlib.nullcontext()) as out:
             while done < cfg.rounds:
                 n = min(cfg.eval_every - done % cfg.eval_every, cfg.rounds - done)
+                block_start = time.perf_counter()
                 # Hidden host<->device copies in the hot loop are errors (STYLE #13).
                 with jax.transfer_guard("disallow"):
                     state, metrics = advance(state, n)
@@ -313,7 +317,9 @@ def _run(exp: Experiment, run_dir: Path, ckpt: Checkpointer, state: ServerState,
                 record = {"round": done, "test_accuracy": acc, "test_accuracy_ema": acc_ema,
                           "test_loss": float(ev["loss"]),
                           "train_loss": float(np.mean(metrics["loss"][:n])), **terms,
-                          "elapsed_s": round(time.perf_counter() - start, 3)}
+                          "round_s": round((time.perf_counter() - block_start) / n, 3),
+                          "elapsed_s": round(time.perf_counter() - start, 3),
+                          "total_s": round(prior_s + time.perf_counter() - start, 3)}
                 if out is not None:
                     with interrupts.critical():  # never a torn line
                         out.write(json.dumps(record) + "\n")
@@ -352,7 +358,9 @@ def train(cfg: Config, *, dataset: ImageDataset | None = None, progress: bool = 
     Writes to the run directory: ``config.yaml`` (resolved), ``metrics.jsonl`` (one object per
     evaluation: ``round`` = rounds completed, ``test_accuracy``, ``test_accuracy_ema``,
     ``test_loss``, ``train_loss`` = mean local loss over the rounds since the last evaluation,
-    each loss term, ``elapsed_s``), ``checkpoints/`` (Orbax; round 0, every
+    each loss term, ``round_s`` = wall time per round of this evaluation block including the
+    evaluation, ``elapsed_s`` = time since this process's loop began, ``total_s`` = the same
+    summed over the run's processes, resumes included), ``checkpoints/`` (Orbax; round 0, every
     ``checkpoint_every`` rounds and the last) and ``accuracy.png``.
     """
     _join_cluster(cfg)

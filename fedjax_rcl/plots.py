@@ -40,7 +40,8 @@ def plot_metrics(metrics_path: str | Path, out_path: str | Path, *, title: str =
     ax_test.plot(rounds, [r["test_loss"] for r in rows])
     ax_test.set_ylabel("test cross-entropy")
     terms = [k for k in rows[0] if k not in ("round", "test_accuracy", "test_accuracy_ema",
-                                            "test_loss", "train_loss", "elapsed_s")] if rows else []
+                                            "test_loss", "train_loss", "elapsed_s", "round_s",
+                                            "total_s")] if rows else []
     ax_train.plot(rounds, [r["train_loss"] for r in rows], lw=2, label="local objective")
     for k in terms:
         ax_train.plot(rounds, [r[k] for r in rows], lw=1, label=k)

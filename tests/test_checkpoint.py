@@ -27,7 +27,8 @@ TINY = ["dataset=digits", "num_clients=10", "participation=0.2", "local_epochs=1
 def _metrics(run_dir):
     rows = [json.loads(x) for x in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
     for r in rows:
-        r.pop("elapsed_s")  # wall time is the one field that may differ
+        for timing in ("elapsed_s", "round_s", "total_s"):  # wall times may differ
+            r.pop(timing)
     return rows
 
 
@@ -57,6 +58,14 @@ def test_stop_and_resume_is_identical(reference, tmp_path):
     assert [r["round"] for r in _metrics(run)] == [1, 2, 3]
     resume(run, ["rounds=6"], progress=False, log=lambda s: None)
     assert _metrics(run) == _metrics(reference)
+    # Timing: per-round wall time, and loop time that keeps adding up across the resume
+    # (the first process ended with round 3's checkpoint; rounds 4-6 ran in the second).
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["round_s"] > 0 for r in rows)
+    totals = [r["total_s"] for r in rows]
+    assert totals == sorted(totals) and totals[3] > totals[2] == rows[2]["elapsed_s"]
+    assert rows[3]["total_s"] == pytest.approx(rows[2]["total_s"] + rows[3]["elapsed_s"],
+                                               abs=2e-3)
     _assert_same_state(_final_state(run), _final_state(reference))
     assert "rounds: 6" in (run / "config.yaml").read_text()
 
@@ -107,9 +116,12 @@ def test_non_finite_loss_stops_cleanly_naming_round_and_client(tmp_path, capsys)
     assert status == 1
     assert "non-finite" in err and "round" in err and "client" in err
     assert "Traceback" not in err
-    # The last good checkpoint is intact and restores.
+    # The last good checkpoint is intact and restores: lr=1e30 blows up in round 1, so the
+    # newest complete checkpoint is round 0's, and no metrics line claims a later round.
     restored = _final_state(run)
-    assert restored is not None and restored.step >= 0
+    assert restored.step == 0
+    metrics = run / "metrics.jsonl"
+    assert not metrics.exists() or metrics.read_text().strip() == ""
 
 
 def _cli(*args):

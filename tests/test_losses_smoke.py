@@ -136,11 +136,22 @@ def test_multilevel_jit_vmap():
         losses.multilevel_rcl_loss(levels, y, temprature=0.1)  # misspelled option is rejected
 
 
-def test_beta_zero_is_supcon():
-    f, y = CASES["mixed"]
-    a = losses.rcl_loss(f, y, temperature=0.2, beta=0.0)
-    b = losses.supcon_loss(f, y, temperature=0.2)
-    assert float(a) == float(b)
+@pytest.mark.parametrize("mining", ["hard", "none"])
+@pytest.mark.parametrize("name", ["mixed", "near_collapsed"])
+def test_beta_zero_is_supcon_and_beta_scales_the_penalty(name, mining):
+    """beta = 0 leaves exactly SupCon and beta = 2 adds twice the penalty, both against the
+    independent float64 loops above (not rcl_loss against the supcon_loss it is built on)."""
+    f, y = CASES[name]
+    t, thr = 0.2, 0.7
+    with jax.enable_x64():
+        x = jnp.asarray(f, jnp.float64)
+        got = {beta: float(losses.rcl_loss(x, y, temperature=t, threshold=thr, beta=beta,
+                                           mining=mining)) for beta in (0.0, 2.0)}
+    scl, pen = _loop_supcon(f, y, t, mining), _loop_penalty(f, y, t, thr, mining)
+    assert got[0.0] == pytest.approx(scl, rel=1e-9, abs=1e-12)
+    assert got[2.0] == pytest.approx(scl + 2.0 * pen, rel=1e-9, abs=1e-12)
+    if name == "near_collapsed":
+        assert pen > 0.1  # the case exercises an active penalty, so beta must matter
 
 
 def test_nt_xent_and_moon():
