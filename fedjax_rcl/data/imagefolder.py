@@ -23,6 +23,7 @@ import logging
 import os
 import posixpath
 import re
+import sys
 import zipfile
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -241,9 +242,21 @@ def decode_images(blobs: Sequence[bytes], names: Sequence[str]) -> np.ndarray:
         DataError: Naming the first image that cannot be decoded, is too large or differs in
             size from the first image.
     """
+    from tqdm import tqdm
+
     first = _decode(blobs[0], names[0])
     out = np.empty((len(blobs), *first.shape), np.uint8)
-    for i, (blob, name) in enumerate(zip(blobs, names, strict=True)):
+    # A progress bar (stderr) for decodes long enough to wonder about: the first load of the
+    # CIFAR-10 zip takes 10-60 s; later loads read the cache and decode nothing.
+    long = len(blobs) >= 5000
+    tty = sys.stderr.isatty()
+    if long and not tty:  # a log file gets one line, not a bar's redraws
+        print(f"decoding {len(blobs)} images (once; cached after)...", file=sys.stderr,
+              flush=True)
+    items = tqdm(zip(blobs, names, strict=True), total=len(blobs), unit="img",
+                 desc="decoding images (once; cached after)", disable=not (long and tty),
+                 mininterval=1.0)
+    for i, (blob, name) in enumerate(items):
         image = first if i == 0 else _decode(blob, name)
         if image.shape != first.shape:
             (h, w), (h0, w0) = image.shape[:2], first.shape[:2]
