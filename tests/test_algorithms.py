@@ -133,3 +133,35 @@ def test_twin_norm_with_a_one_view_algorithm_is_a_config_error():
 
     with pytest.raises(ConfigError, match="norm='twin'"):
         validate(Config(model="resnet18", norm="twin", algorithm="fedrcl"), check_data=False)
+
+
+def test_moon_two_rounds_vmapped_equal_a_client_by_client_loop_with_its_own_table(toy):
+    """Round 2 reads each client's round-1 local model from the table (every client trains
+    every round here, so every negative is a real previous model, not the global one): the
+    engine and a client-by-client loop that keeps its own NumPy table agree after two rounds."""
+    exp = build(_cfg(algorithm="moon", num_clients=4, participation=1.0), toy)
+    state, ref = exp.state, exp.state
+    table = jax.tree.map(np.array, exp.state.client_states)
+    for r in range(2):
+        clients, results = sequential_local_updates(exp, ref)
+        for j, c in enumerate(clients):  # scatter each client's new state into the table
+            jax.tree.map(lambda t, new, c=c: t.__setitem__(c, new), table, results[j][2])
+        w = np.asarray(exp.data.client_sizes)[clients].astype(np.float64)
+        w = w / w.sum()
+        mean = jax.tree.map(lambda *xs, w=w: sum(wi * x for wi, x in zip(w, xs, strict=True)),
+                            *[res[0] for res in results])
+        ref = ref.replace(params=mean, client_states=jax.tree.map(jnp.asarray, table),
+                          round=ref.round + 1)
+        state, metrics = jax.jit(exp.run_round)(state, exp.data)
+        np.testing.assert_array_equal(metrics["clients"], clients)
+        losses = [float(res[3]["loss"]) for res in results]
+        np.testing.assert_allclose(metrics["client_loss"], losses, rtol=1e-5, atol=1e-6)
+        if r == 0:  # round 2's negatives are real previous models, not the global one
+            prev = jax.tree.leaves(table)[0]
+            glob = np.asarray(jax.tree.leaves(ref.params)[0])
+            assert all(not np.allclose(prev[c], glob) for c in range(4))
+    for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(ref.params), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+    for a, b in zip(jax.tree.leaves(state.client_states), jax.tree.leaves(ref.client_states),
+                    strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
