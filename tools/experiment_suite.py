@@ -129,7 +129,8 @@ def table(suite: dict, out: Path) -> str:
         ax.set_xlabel("round")
         ax.set_ylabel("test accuracy, EMA 0.9 per round")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        if ax.lines:
+            ax.legend(fontsize=8)
     fig.suptitle(Path(suite["runs_dir"]).name + ": " + suite["base"])
     fig.tight_layout()
     fig.savefig(out / "ema_accuracy.png", dpi=110)
