@@ -30,45 +30,11 @@ class ConfigError(ValueError):
 
 @dataclass
 class ServerConfig:
-    """Server optimizer on the pseudo-gradient (SPEC §6)."""
+    """Server optimizer on the pseudo-gradient (SPEC §6); each registered optimizer adds its
+    own section here (``server.fedadam.tau``)."""
 
-    optimizer: str = "fedavg"  # fedavg
-    lr: float = 1.0
-
-
-@dataclass
-class FedProxConfig:
-    """``algorithm=fedprox``: proximal weight (FedRCL's tables: 0.001)."""
-
-    mu: float = 0.001
-
-
-@dataclass
-class FedRCLConfig:
-    """``algorithm=fedrcl`` and ``fedscl`` (which forces beta = 0). Reference defaults."""
-
-    temperature: float = 0.05
-    threshold: float = 0.7
-    beta: float = 1.0
-    mining: str = "hard"  # hard (authors' code) | none (paper Eq. 2 and 5)
-    levels: list[int] | None = None  # None: every level; [-1]: last layer only (ablation)
-
-
-@dataclass
-class FedCLConfig:
-    """``algorithm=fedcl``: InfoNCE between two views of each sample (ablation)."""
-
-    temperature: float = 0.05
-    levels: list[int] | None = None
-
-
-@dataclass
-class MoonConfig:
-    """``algorithm=moon`` (mu: 5 for CIFAR-10 in MOON, 1 in FedRCL's tables)."""
-
-    mu: float = 1.0
-    temperature: float = 0.5
-    projection_dim: int = 256
+    optimizer: str = "fedavg"  # see SERVER_OPTIMIZERS (fedavg | fedavgm | fedadam | fedacg)
+    lr: float | None = None  # server learning rate; null: the optimizer's default
 
 
 @dataclass
@@ -82,8 +48,10 @@ class DistributedConfig:
 
 
 @dataclass
-class Config:
-    """One federated run. The flat core keys are named as in the README and SPEC.
+class CoreConfig:
+    """One federated run's core keys, named as in the README and SPEC. ``Config`` adds a
+    section per registered algorithm (``fedrcl.beta``) and server optimizer
+    (``server.fedadam.tau``).
 
     Attributes are documented inline; ranges are enforced by ``validate``.
     """
@@ -91,9 +59,12 @@ class Config:
     seed: int = 0
     dataset: str = "digits"  # digits | cifar10 | cifar100 | imagefolder:PATH
     data_dir: str | None = None  # TFDS data dir for cifar10/cifar100
-    model: str = "cnn"  # cnn | resnet10 | resnet18 | resnet34
+    model: str = "cnn"  # see MODELS (cnn | resnet10 | resnet18 | resnet34)
     width: int | None = None  # ResNets: channels of the first stage (w, 2w, 4w, 8w); null: 64
-    algorithm: str = "fedrcl"  # fedavg | fedprox | fedscl | fedrcl | fedcl | moon
+    # Modules to import first: they register algorithms, models or server optimizers
+    # (fedjax_rcl.registry), so that this config may name them.
+    plugins: list[str] = field(default_factory=list)
+    algorithm: str = "fedrcl"  # see ALGORITHMS (fedavg | fedprox | fedrcl | moon | ...)
     num_clients: int = 20
     participation: float = 0.25  # fraction of clients sampled each round
     partition: str = "dirichlet"  # iid | dirichlet | shards
@@ -127,18 +98,67 @@ class Config:
     run_dir: str | None = None  # default: runs/<dataset>-<algorithm>-<timestamp>
     server: ServerConfig = field(default_factory=ServerConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
-    fedprox: FedProxConfig = field(default_factory=FedProxConfig)
-    fedrcl: FedRCLConfig = field(default_factory=FedRCLConfig)
-    fedcl: FedCLConfig = field(default_factory=FedCLConfig)
-    moon: MoonConfig = field(default_factory=MoonConfig)
+
+
+def _reserve_core_keys() -> None:
+    from fedjax_rcl import registry
+
+    registry.RESERVED_KEYS.update(f.name for f in dataclasses.fields(CoreConfig))
+
+
+def schema() -> type:
+    """The run config's dataclass: ``CoreConfig`` plus one section per registered algorithm
+    (top-level key) and server optimizer (``server.<name>``), rebuilt when the registry
+    changes. ``Config`` is this class."""
+    from fedjax_rcl import registry
+
+    _reserve_core_keys()
+    registry.load_builtins()
+    if _schema_cache[0] == registry.version:
+        return _schema_cache[1]
+    sections = {}
+    for entry in registry.ALGORITHMS.values():
+        if entry.config is not None:
+            sections.setdefault(entry.section, entry.config)
+    server_sections = [(e.name, e.config, field(default_factory=e.config))
+                       for e in registry.SERVER_OPTIMIZERS.values() if e.config is not None]
+    server = dataclasses.make_dataclass("ServerConfig", server_sections, bases=(ServerConfig,))
+    server.__module__ = __name__
+    server.__doc__ = ServerConfig.__doc__
+    fields = [("server", server, field(default_factory=server))]
+    fields += [(name, cls, field(default_factory=cls)) for name, cls in sections.items()]
+    cls = dataclasses.make_dataclass("Config", fields, bases=(CoreConfig,))
+    cls.__module__ = __name__
+    cls.__doc__ = CoreConfig.__doc__
+    _schema_cache[:] = [registry.version, cls]
+    return cls
+
+
+_schema_cache: list = [None, None]
+
+
+def __getattr__(name: str):
+    if name == "Config":  # built from the registry on first use
+        return schema()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _section_type(key: str):
+    """The dataclass holding the dotted key's last part, or None."""
+    cls = schema()
+    for part in key.split(".")[:-1]:
+        sub = {f.name: f for f in dataclasses.fields(cls)}.get(part)
+        if sub is None or not dataclasses.is_dataclass(sub.default_factory):
+            return None
+        cls = sub.default_factory
+    return cls
 
 
 def _format_key_error(err: OmegaConfBaseException) -> str:
     key = getattr(err, "full_key", None) or "?"
     if isinstance(err, ConfigKeyError):
-        parent = key.rsplit(".", 1)[0] if "." in key else None
-        schema = Config if parent is None else type(getattr(Config(), parent, Config()))
-        allowed = ", ".join(f.name for f in dataclasses.fields(schema))
+        section = _section_type(key) or schema()
+        allowed = ", ".join(f.name for f in dataclasses.fields(section))
         return f"{key}: unknown config key; allowed keys here: {allowed}"
     if isinstance(err, ValidationError):
         msg = str(getattr(err, "msg", err)).splitlines()[0]
@@ -146,13 +166,34 @@ def _format_key_error(err: OmegaConfBaseException) -> str:
     return f"{key}: {str(err).splitlines()[0]}"
 
 
-def load_config(path: str | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+def _plugins_named(layers: list, overrides: list[str]) -> list:
+    """The ``plugins`` list the file and overrides give, read before the schema exists (their
+    modules may register the very sections the rest of the config sets)."""
+    plugins: list = []
+    for layer in layers:
+        if "plugins" in layer:
+            value = OmegaConf.to_container(layer)["plugins"]
+            plugins = value if isinstance(value, list) else [value]
+    for o in overrides:
+        key, _, value = o.partition("=")
+        if key.strip() == "plugins":
+            parsed = OmegaConf.from_dotlist([o]).get("plugins")
+            plugins = list(parsed) if OmegaConf.is_list(parsed) else [parsed]
+    return plugins
+
+
+def load_config(path: str | None = None, overrides: list[str] | tuple[str, ...] = ()) -> CoreConfig:
     """Defaults <- YAML file <- ``key=value`` overrides, type-checked; then ``validate``.
 
+    The modules named in ``plugins`` are imported first (they may register what the rest of
+    the config names).
+
     Raises:
-      ConfigError: unreadable file, bad YAML, unknown key, wrong type, or any invalid value.
+      ConfigError: unreadable file, bad YAML, unknown key, wrong type, a plugin that cannot
+        be imported, or any invalid value.
     """
-    base = OmegaConf.structured(Config)
+    from fedjax_rcl import registry
+
     layers = []
     if path is not None:
         try:
@@ -162,12 +203,19 @@ def load_config(path: str | None = None, overrides: list[str] | tuple[str, ...] 
         except Exception as e:  # YAML syntax errors come in several types
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise ConfigError([f"config file {path!r}: not valid YAML ({first})"]) from None
-        if not isinstance(loaded, type(base)):
+        if not OmegaConf.is_dict(loaded):
             raise ConfigError([f"config file {path!r}: must be a mapping of keys to values"])
         layers.append(loaded)
     bad = [o for o in overrides if "=" not in o or o.startswith("=")]
     if bad:
         raise ConfigError([f"override {o!r}: expected key=value" for o in bad])
+    try:
+        plugin_problems = registry.load_plugins(_plugins_named(layers, list(overrides)))
+    except OmegaConfBaseException as e:
+        plugin_problems = [f"plugins: {str(e).splitlines()[0]}"]
+    if plugin_problems:
+        raise ConfigError(plugin_problems)
+    base = OmegaConf.structured(schema())
     overrides = [_quote_string_value(o) for o in overrides]
     try:
         return _merged(base, layers, overrides)
@@ -190,7 +238,7 @@ def load_config(path: str | None = None, overrides: list[str] | tuple[str, ...] 
         raise ConfigError(problems or first.problems) from None
 
 
-def _merged(base, layers: list, overrides: list[str], *, check: bool = True) -> Config:
+def _merged(base, layers: list, overrides: list[str], *, check: bool = True) -> CoreConfig:
     """Defaults <- layers <- overrides as a ``Config``; ``validate``d when ``check``."""
     try:
         cfg = OmegaConf.to_object(OmegaConf.merge(base, *layers,
@@ -204,14 +252,11 @@ def _merged(base, layers: list, overrides: list[str], *, check: bool = True) -> 
 
 def _field_type(key: str) -> str | None:
     """The annotation of a dotted config key (``"str | None"``), or None if it is not one."""
-    schema = Config
-    *parents, name = key.split(".")
-    for parent in parents:
-        default = getattr(schema(), parent, None)
-        if not dataclasses.is_dataclass(default):
-            return None
-        schema = type(default)
-    fields = {f.name: f.type for f in dataclasses.fields(schema)}
+    section = _section_type(key)
+    if section is None:
+        return None
+    fields = {f.name: f.type for f in dataclasses.fields(section)}
+    name = key.split(".")[-1]
     return str(fields[name]) if name in fields else None
 
 
@@ -242,54 +287,85 @@ def _flat(d: dict, prefix: str = "") -> dict:
     return out
 
 
-def changed_keys(old: Config, new: Config) -> list[str]:
-    """Dotted keys whose values differ and that would change results (see RESUME_SAFE_KEYS)."""
-    a, b = _flat(dataclasses.asdict(old)), _flat(dataclasses.asdict(new))
-    return sorted(k for k in a.keys() | b.keys()
-                  if a.get(k) != b.get(k) and k not in RESUME_SAFE_KEYS)
+def _result_settings(cfg: CoreConfig) -> dict:
+    """The flat settings that decide a run's results: every core key but ``RESUME_SAFE_KEYS``
+    and ``plugins``, plus the sections of the algorithm and server optimizer in use (the
+    other sections are inert)."""
+    from fedjax_rcl import registry
+
+    flat = {}
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if f.name == "server":
+            flat.update({f"server.{k}": v for k, v in _flat(dataclasses.asdict(value)).items()
+                         if "." not in k or k.startswith(f"{value.optimizer}.")})
+        elif dataclasses.is_dataclass(value) and f.name != "distributed":
+            entry = registry.ALGORITHMS.get(cfg.algorithm)
+            if entry is not None and entry.section == f.name:
+                flat.update(_flat(dataclasses.asdict(value), f"{f.name}."))
+        elif dataclasses.is_dataclass(value):
+            flat.update(_flat(dataclasses.asdict(value), f"{f.name}."))
+        elif f.name != "plugins":
+            flat[f.name] = value
+    return {k: v for k, v in flat.items() if k not in RESUME_SAFE_KEYS}
 
 
-def config_digest(cfg: Config) -> str:
+def changed_keys(old: CoreConfig, new: CoreConfig) -> list[str]:
+    """Dotted keys whose values differ and that would change results (see RESUME_SAFE_KEYS;
+    the sections of algorithms and server optimizers not in use change nothing)."""
+    a, b = _result_settings(old), _result_settings(new)
+    return sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))
+
+
+def config_digest(cfg: CoreConfig) -> str:
     """A hash of every result-affecting setting (checkpoints carry it)."""
-    flat = {k: v for k, v in _flat(dataclasses.asdict(cfg)).items()
-            if k not in RESUME_SAFE_KEYS}
-    return hashlib.sha256(json.dumps(flat, sort_keys=True).encode()).hexdigest()[:16]
+    return hashlib.sha256(json.dumps(_result_settings(cfg), sort_keys=True).encode()
+                          ).hexdigest()[:16]
 
 
-def to_yaml(cfg: Config) -> str:
+def to_yaml(cfg: CoreConfig) -> str:
     return OmegaConf.to_yaml(OmegaConf.structured(cfg))
 
 
-def to_dict(cfg: Config) -> dict:
+def to_dict(cfg: CoreConfig) -> dict:
     return dataclasses.asdict(cfg)
 
 
-def _validate_sections(cfg: Config, p: list[str], num_levels: int | None) -> None:
-    """Checks every algorithm section (all of them: a YAML may set several)."""
-    positive = lambda x: isinstance(x, int | float) and math.isfinite(x) and x > 0
-    nonneg = lambda x: isinstance(x, int | float) and math.isfinite(x) and x >= 0
-    _check(p, nonneg(cfg.fedprox.mu), "fedprox.mu", cfg.fedprox.mu, "must be >= 0")
-    r = cfg.fedrcl
-    _check(p, positive(r.temperature), "fedrcl.temperature", r.temperature, "must be > 0")
-    _check(p, isinstance(r.threshold, int | float) and -1 <= r.threshold <= 1,
-           "fedrcl.threshold", r.threshold, "must be a cosine similarity in [-1, 1]")
-    _check(p, nonneg(r.beta), "fedrcl.beta", r.beta, "must be >= 0")
-    _check(p, r.mining in ("hard", "none"), "fedrcl.mining", r.mining, "allowed: hard, none")
-    _check(p, positive(cfg.fedcl.temperature), "fedcl.temperature", cfg.fedcl.temperature,
-           "must be > 0")
-    _check(p, nonneg(cfg.moon.mu), "moon.mu", cfg.moon.mu, "must be >= 0")
-    _check(p, positive(cfg.moon.temperature), "moon.temperature", cfg.moon.temperature,
-           "must be > 0")
-    _check(p, cfg.moon.projection_dim >= 1, "moon.projection_dim", cfg.moon.projection_dim,
-           "must be >= 1")
-    for name, levels in (("fedrcl.levels", r.levels), ("fedcl.levels", cfg.fedcl.levels)):
-        if levels is None or num_levels is None:
-            continue
-        ok = len(levels) > 0 and all(-num_levels <= i < num_levels for i in levels)
-        ok = ok and len({i % num_levels for i in levels}) == len(levels)
-        _check(p, ok, name, list(levels),
-               f"model={cfg.model} has {num_levels} feature levels: give distinct indices in "
-               f"[{-num_levels}, {num_levels - 1}] (null for all, [-1] for the last)")
+def finite(x) -> bool:
+    """A real number, not NaN or infinite (for sections' ``check``)."""
+    return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def check_levels(levels, ctx) -> list[str]:
+    """Problems with a ``levels`` list (None: all) for the model of ``ctx`` (a section's
+    ``check`` helper)."""
+    n = ctx.num_levels
+    if levels is None or n is None:
+        return []
+    ok = len(levels) > 0 and all(-n <= i < n for i in levels)
+    ok = ok and len({i % n for i in levels}) == len(levels)
+    return [] if ok else [
+        f"levels={list(levels)!r}: model={ctx.model} has {n} feature levels: give distinct "
+        f"indices in [{-n}, {n - 1}] (null for all, [-1] for the last)"]
+
+
+def _validate_sections(cfg: CoreConfig, p: list[str]) -> None:
+    """Each section's own ``check``, every section (a YAML may set several), each problem
+    prefixed with the section's key."""
+    from fedjax_rcl import registry
+
+    model = registry.MODELS.get(cfg.model)
+    ctx = registry.CheckContext(cfg.model, model.num_levels if model else None)
+    sections = [(f.name, getattr(cfg, f.name)) for f in dataclasses.fields(cfg)
+                if f.name not in ("server", "distributed")
+                and dataclasses.is_dataclass(getattr(cfg, f.name))]
+    sections += [(f"server.{f.name}", getattr(cfg.server, f.name))
+                 for f in dataclasses.fields(cfg.server)
+                 if dataclasses.is_dataclass(getattr(cfg.server, f.name))]
+    for key, section in sections:
+        check = getattr(section, "check", None)
+        if check is not None:
+            p.extend(f"{key}.{problem}" for problem in check(ctx))
 
 
 def _check(problems: list[str], ok: bool, name: str, value, allowed: str) -> None:
@@ -311,7 +387,7 @@ def _check_onednn(p: list[str]) -> None:
                  "(use auto, which falls back to the matmul convolutions)")
 
 
-def validate(cfg: Config, *, check_data: bool = True) -> None:
+def validate(cfg: CoreConfig, *, check_data: bool = True) -> None:
     """Checks every field; raises ``ConfigError`` listing all problems (one line each).
 
     Args:
@@ -319,26 +395,28 @@ def validate(cfg: Config, *, check_data: bool = True) -> None:
       check_data: also check that the dataset exists / can be obtained (cheap, no decoding).
     """
     # Imported here: the registries live with their modules, and importing them pulls in JAX.
-    from fedjax_rcl.algorithms import ALGORITHMS
+    from fedjax_rcl import registry
     from fedjax_rcl.data.partitioning import METHODS
-    from fedjax_rcl.models import MODEL_LEVELS, MODELS, WIDTH_MODELS
     from fedjax_rcl.nn.conv import CONV_IMPLS
     from fedjax_rcl.nn.norm import NORMS
-    from fedjax_rcl.server import AGGREGATIONS, SERVER_OPTIMIZERS
+    from fedjax_rcl.server import AGGREGATIONS
 
+    registry.load_builtins()
+    models, algorithms = registry.MODELS, registry.ALGORITHMS
     p: list[str] = []
-    finite = lambda x: isinstance(x, int | float) and math.isfinite(x)
     _check(p, cfg.seed >= 0, "seed", cfg.seed, "must be an integer >= 0")
-    _check(p, cfg.model in MODELS, "model", cfg.model, f"allowed: {', '.join(MODELS)}")
+    _check(p, cfg.model in models, "model", cfg.model, f"allowed: {', '.join(models)}")
+    model = models.get(cfg.model)
     if cfg.width is not None:
-        if cfg.model in MODELS and cfg.model not in WIDTH_MODELS:
+        if model is not None and not model.width:
+            width_models = [m.name for m in models.values() if m.width]
             p.append(f"width={cfg.width!r}: model={cfg.model} has a fixed width; width applies "
-                     f"to {', '.join(WIDTH_MODELS)} (or leave it null)")
+                     f"to {', '.join(width_models)} (or leave it null)")
         else:
             _check(p, cfg.width >= 2 and cfg.width % 2 == 0, "width", cfg.width,
                    "must be an even number >= 2 (GroupNorm's 2 groups split the channels)")
-    _check(p, cfg.algorithm in ALGORITHMS, "algorithm", cfg.algorithm,
-           f"allowed: {', '.join(ALGORITHMS)}")
+    _check(p, cfg.algorithm in algorithms, "algorithm", cfg.algorithm,
+           f"allowed: {', '.join(algorithms)}")
     _check(p, cfg.num_clients >= 1, "num_clients", cfg.num_clients, "must be >= 1")
     _check(p, finite(cfg.participation) and 0 < cfg.participation <= 1, "participation",
            cfg.participation, "must be in (0, 1]")
@@ -390,21 +468,23 @@ def validate(cfg: Config, *, check_data: bool = True) -> None:
     if cfg.conv_impl == "onednn":
         _check_onednn(p)
     _check(p, cfg.norm in NORMS, "norm", cfg.norm, f"allowed: {', '.join(NORMS)}")
-    _check(p, cfg.server.optimizer in SERVER_OPTIMIZERS, "server.optimizer",
-           cfg.server.optimizer, f"allowed: {', '.join(SERVER_OPTIMIZERS)}")
-    _check(p, finite(cfg.server.lr) and cfg.server.lr > 0, "server.lr", cfg.server.lr,
-           "must be a finite number > 0")
+    _check(p, cfg.server.optimizer in registry.SERVER_OPTIMIZERS, "server.optimizer",
+           cfg.server.optimizer, f"allowed: {', '.join(registry.SERVER_OPTIMIZERS)}")
+    _check(p, cfg.server.lr is None or (finite(cfg.server.lr) and cfg.server.lr > 0),
+           "server.lr", cfg.server.lr, "must be a finite number > 0 (null: the optimizer's "
+           "default)")
     _check(p, cfg.run_dir is None or cfg.run_dir.strip() != "", "run_dir", cfg.run_dir,
            "must be a path or null")
-    if cfg.model == "cnn" and cfg.norm != "group":
-        p.append(f"norm={cfg.norm!r}: model=cnn has no normalization layers; use a ResNet")
-    if cfg.algorithm in ALGORITHMS and cfg.norm == "twin" and (
-        ALGORITHMS[cfg.algorithm].num_views != 2
+    if model is not None and cfg.norm in NORMS and cfg.norm not in model.norms:
+        p.append(f"norm={cfg.norm!r}: model={cfg.model} takes norm "
+                 f"{', '.join(model.norms)}")
+    if cfg.algorithm in algorithms and cfg.norm == "twin" and (
+        algorithms[cfg.algorithm].num_views != 2
     ):
-        two_view = [n for n, r in ALGORITHMS.items() if r.num_views == 2]
+        two_view = [n for n, r in algorithms.items() if r.num_views == 2]
         p.append(f"norm='twin': needs batches of view pairs; algorithm={cfg.algorithm!r} uses "
                  f"one view per sample (two-view algorithms: {', '.join(two_view)})")
-    _validate_sections(cfg, p, MODEL_LEVELS.get(cfg.model))
+    _validate_sections(cfg, p)
     if check_data:
         from fedjax_rcl.data import DataError, check_dataset_spec
 

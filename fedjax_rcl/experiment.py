@@ -22,13 +22,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from fedjax_rcl import interrupts, rundir
-from fedjax_rcl.algorithms import ClientAlgorithm, registered
+from fedjax_rcl import interrupts, registry, rundir
+from fedjax_rcl.algorithms import ClientAlgorithm, make_algorithm, model_kwargs
 from fedjax_rcl.checkpoint import Checkpointer, Restored
 from fedjax_rcl.config import (
     RESUME_SAFE_KEYS,
-    Config,
     ConfigError,
+    CoreConfig,
     changed_keys,
     config_digest,
     load_config,
@@ -36,7 +36,12 @@ from fedjax_rcl.config import (
 )
 from fedjax_rcl.data import ImageDataset, load_dataset, partition
 from fedjax_rcl.data.device import ClientData, TestData, pack_clients, pack_test
-from fedjax_rcl.engine.client import LocalTraining, client_optimizer, make_local_update
+from fedjax_rcl.engine.client import (
+    LocalTraining,
+    client_optimizer,
+    make_local_update,
+    report_like,
+)
 from fedjax_rcl.engine.evaluate import make_evaluate
 from fedjax_rcl.engine.round import (
     ServerState,
@@ -69,7 +74,7 @@ class TrainingError(RuntimeError):
 class Experiment:
     """Everything a run needs, built from its config."""
 
-    cfg: Config
+    cfg: CoreConfig
     dataset: ImageDataset
     parts: list[np.ndarray]
     model: ModelFns
@@ -89,7 +94,7 @@ class Experiment:
     round_step: Callable | None = None
 
 
-def make_partition(cfg: Config, labels: np.ndarray) -> list[np.ndarray]:
+def make_partition(cfg: CoreConfig, labels: np.ndarray) -> list[np.ndarray]:
     """The configured partition, with its errors reported against config fields."""
     try:
         return partition(labels, cfg.num_clients, method=cfg.partition, seed=cfg.seed,
@@ -100,9 +105,10 @@ def make_partition(cfg: Config, labels: np.ndarray) -> list[np.ndarray]:
                            f"{len(labels)} training samples: {e}"]) from None
 
 
-def clients_in_parallel(cfg: Config, platform: str | None = None) -> int | None:
+def clients_in_parallel(cfg: CoreConfig, platform: str | None = None) -> int | None:
     """``cfg.clients_in_parallel``, with 0 resolved: all sampled clients side by side (None),
-    except the ResNets on CPU, which train one client after another (1).
+    except the models registered ``one_client_at_a_time_on_cpu`` (the ResNets), which train one
+    client after another on a CPU (1).
 
     Why: on a CPU, batching clients buys no throughput (the cores are busy with one client's
     convolutions) and costs cache and memory; for ResNet-18 a FedRCL round of 5 clients takes
@@ -112,10 +118,11 @@ def clients_in_parallel(cfg: Config, platform: str | None = None) -> int | None:
     if cfg.clients_in_parallel:
         return cfg.clients_in_parallel
     platform = platform or jax.default_backend()
-    return 1 if platform == "cpu" and cfg.model.startswith("resnet") else None
+    one_at_a_time = registry.model(cfg.model).one_client_at_a_time_on_cpu
+    return 1 if platform == "cpu" and one_at_a_time else None
 
 
-def build(cfg: Config, dataset: ImageDataset | None = None, *,
+def build(cfg: CoreConfig, dataset: ImageDataset | None = None, *,
           module: nn.Module | None = None) -> Experiment:
     """Assembles a run (nothing is compiled yet).
 
@@ -143,12 +150,11 @@ def build(cfg: Config, dataset: ImageDataset | None = None, *,
     test = put_replicated(pack_test(dataset.test_images, dataset.test_labels,
                                     cfg.eval_batch_size), mesh)
 
-    entry = registered(cfg.algorithm)
     module = module or get_model(cfg.model, num_classes=dataset.num_classes,
                                  conv_impl=cfg.conv_impl, norm=cfg.norm, width=cfg.width,
-                                 **entry.model_kwargs(cfg))
+                                 **model_kwargs(cfg))
     model = model_fns(module)
-    algorithm = entry.make(cfg, model)
+    algorithm = make_algorithm(cfg, model)
     root = jax.random.PRNGKey(cfg.seed)
     params, model_state = model.init(init_key(root), np.zeros((1, *dataset.image_shape)))
 
@@ -163,13 +169,18 @@ def build(cfg: Config, dataset: ImageDataset | None = None, *,
         std=dataset.std,
         hflip=dataset.hflip,
         augment=cfg.augment,
+        num_classes=dataset.num_classes,
     )
     opt = client_optimizer(cfg.lr, clip_norm=cfg.clip_norm, weight_decay=cfg.weight_decay,
                            momentum=cfg.momentum)
-    local_update = make_local_update(model, algorithm, opt, settings)
-    sopt = server_optimizer(cfg.server.optimizer, lr=cfg.server.lr)
+    sopt = server_optimizer(cfg)
+    local_update = make_local_update(model, algorithm, opt, settings,
+                                     penalty=sopt.client_penalty, penalty_name=sopt.penalty_name)
     host = cfg.client_states == "host"
+    reports = report_like(model, algorithm, params, model_state, dataset.image_shape,
+                          cfg.batch_size)
     run_round = make_round(local_update, sopt, num_clients=cfg.num_clients,
+                           server_message=algorithm.server_message,
                            participation=cfg.participation, aggregation=cfg.aggregation,
                            mesh=mesh, clients_in_parallel=clients_in_parallel(cfg),
                            host_states=host)
@@ -178,14 +189,14 @@ def build(cfg: Config, dataset: ImageDataset | None = None, *,
         one = jax.device_get(algorithm.init_client_state(params, model_state))
         host_table = jax.tree.map(
             lambda x: np.repeat(np.asarray(x)[None], cfg.num_clients, axis=0), one)
-        state = init_server_state(params, model_state, algorithm, sopt, 0, root)
+        state = init_server_state(params, model_state, algorithm, sopt, 0, root, reports)
         state = put_replicated(jax.device_get(state.replace(client_states=())), mesh)
         return Experiment(cfg, dataset, parts, model, algorithm, data, test, state, settings,
                           local_update, run_round, None, evaluate, mesh, host_table,
                           jax.jit(run_round, donate_argnums=0))
     run_rounds = jax.jit(make_run_rounds(run_round, cfg.eval_every), donate_argnums=0)
     state = jax.device_get(
-        init_server_state(params, model_state, algorithm, sopt, cfg.num_clients, root))
+        init_server_state(params, model_state, algorithm, sopt, cfg.num_clients, root, reports))
     state = put_replicated(state.replace(client_states=()), mesh).replace(
         client_states=put_client_table(state.client_states, mesh))
     return Experiment(cfg, dataset, parts, model, algorithm, data, test, state, settings,
@@ -206,7 +217,7 @@ def _silent(message: str) -> None:
     del message
 
 
-def _join_cluster(cfg: Config) -> None:
+def _join_cluster(cfg: CoreConfig) -> None:
     d = cfg.distributed
     initialize_distributed(d.coordinator_address, d.num_processes, d.process_id)
 
@@ -217,7 +228,7 @@ def _write(path: Path, text: str) -> None:
         atomic_write_text(path, text)
 
 
-def _checkpoint_meta(cfg: Config, done: int, acc_ema: float | None) -> dict:
+def _checkpoint_meta(cfg: CoreConfig, done: int, acc_ema: float | None) -> dict:
     return {"round": done, "test_accuracy_ema": acc_ema, "config_digest": config_digest(cfg)}
 
 
@@ -351,7 +362,7 @@ def _run(exp: Experiment, run_dir: Path, ckpt: Checkpointer, state: ServerState,
     return {**record, "compile_s": compile_s, "run_dir": str(run_dir)}
 
 
-def train(cfg: Config, *, dataset: ImageDataset | None = None, progress: bool = True,
+def train(cfg: CoreConfig, *, dataset: ImageDataset | None = None, progress: bool = True,
           log: Callable[[str], None] = print) -> dict:
     """Runs ``cfg.rounds`` rounds from scratch; returns the last metrics record.
 
@@ -388,7 +399,7 @@ def _save(ckpt: Checkpointer, run_dir: Path, step: int, tree, meta: dict) -> Non
     interrupts.resume_status(run_dir, step)
 
 
-def _load_run_config(run_dir: Path, overrides=()) -> tuple[Config, Config]:
+def _load_run_config(run_dir: Path, overrides=()) -> tuple[CoreConfig, CoreConfig]:
     path = run_dir / "config.yaml"
     if not path.is_file():
         raise ConfigError([f"run_dir={str(run_dir)!r}: no config.yaml; not a fedjax-rcl run"])
@@ -417,7 +428,7 @@ def resume(run_dir: str | Path, overrides=(), *, force: bool = False,
                               progress=progress, log=log if is_primary() else _silent)
 
 
-def _resume_locked(run_dir: Path, saved: Config, cfg: Config, *, force: bool,
+def _resume_locked(run_dir: Path, saved: CoreConfig, cfg: CoreConfig, *, force: bool,
                    dataset: ImageDataset | None, progress: bool, log) -> dict:
     changed = changed_keys(saved, cfg)
     if changed and not force:

@@ -22,7 +22,7 @@ def sequential_local_updates(exp, state):
     for j, c in enumerate(clients):
         row = jax.tree.map(lambda t, c=c: t[c], state.client_states)
         out = step(state.params, state.model_state, row, keys[j], exp.data.client_indices[c],
-                   exp.data.client_sizes[c], state.round, exp.data)
+                   exp.data.client_sizes[c], state.round, exp.data, state.message)
         results.append(jax.tree.map(np.asarray, out))
     return clients, results
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 
@@ -36,16 +36,22 @@ class LocalContext(NamedTuple):
     """What a local objective may read besides the model output, its parameters and batch.
 
     Attributes:
-      global_params: the server model this round started from (FedProx, MOON).
+      global_params: the model the server sent this round, which local training started from
+        (FedProx, MOON; FedACG's look-ahead when ``server.optimizer=fedacg``).
       global_model_state: the server model's non-trained state (BatchNorm statistics).
       client_state: this client's persistent state (MOON: its previous local model).
       key: PRNG key for this step (for stochastic objectives).
+      label_counts: ``float32 [num_classes]``, this client's samples per class (FedLC).
+      server_message: what the server sent every client this round besides the model
+        (FedProc: the global class prototypes), ``()`` for algorithms that have none.
     """
 
     global_params: Params
     global_model_state: ModelState
     client_state: ClientState
     key: PRNGKey
+    label_counts: jax.Array | None = None
+    server_message: Any = ()
 
 
 # ``objective(output, params, batch, context) -> (loss [], metrics {name: []})``.
@@ -78,6 +84,12 @@ class ClientAlgorithm:
         ``[num_clients, ...]`` table.
       update_client_state: ``(old_state, trained_params, trained_model_state) -> new_state`` at
         the end of the client's local training.
+      report: ``(output, batch) -> pytree`` of sums a client sends the server, taken on each
+        training step of its last local epoch and summed (FedProc: per-class feature sums and
+        counts); None: the client sends only its model.
+      server_message: ``summed_reports -> message``, what the server broadcasts next round
+        from the reports summed over the round's clients (``LocalContext.server_message``);
+        before the first round it is built from all-zero reports.
     """
 
     name: str
@@ -85,3 +97,5 @@ class ClientAlgorithm:
     num_views: int = 1
     init_client_state: Callable[[Params, ModelState], ClientState] = _no_state
     update_client_state: Callable[[ClientState, Params, ModelState], ClientState] = _keep_state
+    report: Callable[[ModelOutput, Batch], Any] | None = None
+    server_message: Callable[[Any], Any] | None = None

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from fedjax_rcl import registry
 from fedjax_rcl.algorithms.base import ClientAlgorithm
 
 
@@ -35,3 +36,6 @@ def fedavg() -> ClientAlgorithm:
         return ce, {"ce": ce}
 
     return ClientAlgorithm(name="fedavg", objective=objective)
+
+
+registry.register_algorithm("fedavg", lambda settings, model: fedavg())

@@ -11,10 +11,12 @@ The sample's second view is its only positive; every other view in the batch is 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import jax.numpy as jnp
 
+from fedjax_rcl import registry
 from fedjax_rcl.algorithms.base import ClientAlgorithm
 from fedjax_rcl.algorithms.fedavg import cross_entropy
 from fedjax_rcl.algorithms.fedrcl import select_levels
@@ -36,3 +38,24 @@ def fedcl(*, temperature: float = 0.05, levels: Sequence[int] | None = None) -> 
         return ce + cl, {"ce": ce, "nt_xent": cl}
 
     return ClientAlgorithm(name="fedcl", objective=objective, num_views=2)
+
+
+@dataclasses.dataclass
+class FedCLConfig:
+    """``algorithm=fedcl``: InfoNCE between two views of each sample (ablation)."""
+
+    temperature: float = 0.05
+    levels: list[int] | None = None
+
+    def check(self, ctx) -> list[str]:
+        from fedjax_rcl.config import check_levels, finite
+
+        p = []
+        if not (finite(self.temperature) and self.temperature > 0):
+            p.append(f"temperature={self.temperature!r}: must be > 0")
+        return p + check_levels(self.levels, ctx)
+
+
+registry.register_algorithm(
+    "fedcl", lambda s, model: fedcl(temperature=s.temperature, levels=s.levels),
+    config=FedCLConfig, num_views=2)

@@ -10,9 +10,12 @@ FedRCL's tables use mu = 0.001 (paper App. E).
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
+from fedjax_rcl import registry
 from fedjax_rcl.algorithms.base import ClientAlgorithm
 from fedjax_rcl.algorithms.fedavg import cross_entropy
 
@@ -34,3 +37,18 @@ def fedprox(*, mu: float = 0.001) -> ClientAlgorithm:
         return ce + 0.5 * mu * prox, {"ce": ce, "prox": prox}
 
     return ClientAlgorithm(name="fedprox", objective=objective)
+
+
+@dataclasses.dataclass
+class FedProxConfig:
+    """``algorithm=fedprox``: proximal weight (FedRCL's tables: 0.001)."""
+
+    mu: float = 0.001
+
+    def check(self, ctx) -> list[str]:
+        from fedjax_rcl.config import finite
+
+        return [] if finite(self.mu) and self.mu >= 0 else [f"mu={self.mu!r}: must be >= 0"]
+
+
+registry.register_algorithm("fedprox", lambda s, model: fedprox(mu=s.mu), config=FedProxConfig)

@@ -16,10 +16,12 @@ global-model forward is run: its default loss never uses it.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import jax.numpy as jnp
 
+from fedjax_rcl import registry
 from fedjax_rcl.algorithms.base import ClientAlgorithm
 from fedjax_rcl.algorithms.fedavg import cross_entropy
 from fedjax_rcl.losses import rcl_loss_terms, supcon_loss
@@ -70,3 +72,39 @@ def fedscl(*, temperature: float = 0.05, mining: str = "hard",
            levels: Sequence[int] | None = None) -> ClientAlgorithm:
     """FedSCL: FedRCL without the penalty (beta = 0), the paper's ablation."""
     return fedrcl(temperature=temperature, beta=0.0, mining=mining, levels=levels, name="fedscl")
+
+
+@dataclasses.dataclass
+class FedRCLConfig:
+    """``algorithm=fedrcl`` and ``fedscl`` (which forces beta = 0). Reference defaults."""
+
+    temperature: float = 0.05
+    threshold: float = 0.7
+    beta: float = 1.0
+    mining: str = "hard"  # hard (authors' code) | none (paper Eq. 2 and 5)
+    levels: list[int] | None = None  # None: every level; [-1]: last layer only (ablation)
+
+    def check(self, ctx) -> list[str]:
+        from fedjax_rcl.config import check_levels, finite
+
+        p = []
+        if not (finite(self.temperature) and self.temperature > 0):
+            p.append(f"temperature={self.temperature!r}: must be > 0")
+        if not (finite(self.threshold) and -1 <= self.threshold <= 1):
+            p.append(f"threshold={self.threshold!r}: must be a cosine similarity in [-1, 1]")
+        if not (finite(self.beta) and self.beta >= 0):
+            p.append(f"beta={self.beta!r}: must be >= 0")
+        if self.mining not in ("hard", "none"):
+            p.append(f"mining={self.mining!r}: allowed: hard, none")
+        return p + check_levels(self.levels, ctx)
+
+
+registry.register_algorithm(
+    "fedrcl",
+    lambda s, model: fedrcl(temperature=s.temperature, threshold=s.threshold, beta=s.beta,
+                            mining=s.mining, levels=s.levels),
+    config=FedRCLConfig)
+registry.register_algorithm(
+    "fedscl",
+    lambda s, model: fedscl(temperature=s.temperature, mining=s.mining, levels=s.levels),
+    section="fedrcl")

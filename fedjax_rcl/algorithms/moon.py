@@ -15,8 +15,11 @@ training and scatters the trained models back after it.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 
+from fedjax_rcl import registry
 from fedjax_rcl.algorithms.base import ClientAlgorithm
 from fedjax_rcl.algorithms.fedavg import cross_entropy
 from fedjax_rcl.losses import moon_loss
@@ -47,3 +50,29 @@ def moon(model: ModelFns, *, mu: float = 1.0, temperature: float = 0.5) -> Clien
         init_client_state=lambda params, model_state: (params, model_state),
         update_client_state=lambda state, params, model_state: (params, model_state),
     )
+
+
+@dataclasses.dataclass
+class MoonConfig:
+    """``algorithm=moon`` (mu: 5 for CIFAR-10 in MOON, 1 in FedRCL's tables)."""
+
+    mu: float = 1.0
+    temperature: float = 0.5
+    projection_dim: int = 256
+
+    def check(self, ctx) -> list[str]:
+        from fedjax_rcl.config import finite
+
+        p = []
+        if not (finite(self.mu) and self.mu >= 0):
+            p.append(f"mu={self.mu!r}: must be >= 0")
+        if not (finite(self.temperature) and self.temperature > 0):
+            p.append(f"temperature={self.temperature!r}: must be > 0")
+        if self.projection_dim < 1:
+            p.append(f"projection_dim={self.projection_dim!r}: must be >= 1")
+        return p
+
+
+registry.register_algorithm(
+    "moon", lambda s, model: moon(model, mu=s.mu, temperature=s.temperature),
+    config=MoonConfig, model_kwargs=lambda s: {"projection_dim": s.projection_dim})

@@ -67,6 +67,7 @@ class LocalTraining:
       lr_fn: ``(round, epoch) -> learning rate`` (traced integers in, scalar out).
       mean, std: normalization constants; hflip, max_degrees, crop_padding: augmentation.
       augment: False to only normalize (no random geometry).
+      num_classes: size of ``LocalContext.label_counts`` (0: not computed).
     """
 
     batch_size: int
@@ -80,6 +81,7 @@ class LocalTraining:
     max_degrees: float = 10.0
     crop_padding: int = 4
     augment: bool = True
+    num_classes: int = 0
 
     @property
     def num_steps(self) -> int:
@@ -97,34 +99,67 @@ def epoch_permutations(key: PRNGKey, size: jax.Array, max_size: int, epochs: int
     return jax.vmap(one)(jnp.arange(epochs))
 
 
+def report_like(model: ModelFns, algorithm: ClientAlgorithm, params: Params,
+                model_state: ModelState, image_shape: tuple[int, ...], batch_size: int):
+    """Shapes and dtypes of one step's ``algorithm.report`` (None if it has none)."""
+    if algorithm.report is None:
+        return None
+    images = jnp.zeros((batch_size * algorithm.num_views, *image_shape), jnp.float32)
+    batch = Batch(images, jnp.zeros((batch_size,), jnp.int32))
+
+    def one(p, s):
+        return algorithm.report(model.apply(p, s, batch.images, train=False)[0], batch)
+
+    return jax.eval_shape(one, params, model_state)
+
+
 def make_local_update(model: ModelFns, algorithm: ClientAlgorithm,
-                      optimizer: optax.GradientTransformation, settings: LocalTraining):
+                      optimizer: optax.GradientTransformation, settings: LocalTraining, *,
+                      penalty: Callable[[Params, Params], jax.Array] | None = None,
+                      penalty_name: str = "server_penalty"):
     """Builds ``local_update`` for one client.
+
+    Args:
+      model, algorithm, optimizer, settings: what trains, on what objective, how.
+      penalty: ``(params, global_params) -> []`` added to the algorithm's objective whatever
+        the algorithm (the server optimizer's client term, FedACG's), reported as
+        ``penalty_name``.
 
     Returns:
       ``local_update(global_params, global_model_state, client_state, key, indices, size,
-      round_index, data) -> (params, model_state, new_client_state, metrics)`` where
-      ``indices`` is the client's ``int32 [max_size]`` row, ``size`` its sample count, and
-      ``metrics`` holds the mean over the client's active steps of the loss and of each term
-      the objective reports.
+      round_index, data, message=()) -> (params, model_state, new_client_state, metrics)``
+      where ``indices`` is the client's ``int32 [max_size]`` row, ``size`` its sample count,
+      ``message`` the server's broadcast besides the model, and ``metrics`` holds the mean over
+      the client's active steps of the loss and of each term the objective reports, and for an
+      algorithm with a ``report`` the report summed over its last epoch's steps (``"report"``).
     """
     s = settings
 
     def loss_fn(params, model_state, batch, ctx):
         out, model_state = model.apply(params, model_state, batch.images, train=True)
         loss, terms = algorithm.objective(out, params, batch, ctx)
-        return loss, (terms, model_state)
+        if penalty is not None:
+            extra = penalty(params, ctx.global_params)
+            loss, terms = loss + extra, {**terms, penalty_name: extra}
+        report = () if algorithm.report is None else jax.lax.stop_gradient(
+            algorithm.report(out, batch))
+        return loss, (terms, model_state, report)
 
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
     def local_update(global_params: Params, global_model_state: ModelState,
                      client_state: ClientState, key: PRNGKey, indices: jax.Array,
-                     size: jax.Array, round_index: jax.Array, data: ClientData):
+                     size: jax.Array, round_index: jax.Array, data: ClientData,
+                     message=()):
         perm_key, step_root = jax.random.split(key)
         max_size = indices.shape[0]
         perms = epoch_permutations(perm_key, size, max_size, s.local_epochs)
         client_steps = (size + s.batch_size - 1) // s.batch_size  # S_k
         opt_state = optimizer.init(global_params)
+        counts = None
+        if s.num_classes:
+            held = (jnp.arange(max_size) < size).astype(jnp.float32)
+            counts = jnp.zeros((s.num_classes,), jnp.float32).at[data.labels[indices]].add(held)
 
         def step(carry, t):
             params, model_state, opt_state = carry
@@ -141,8 +176,10 @@ def make_local_update(model: ModelFns, algorithm: ClientAlgorithm,
                 for v in range(algorithm.num_views)
             ]
             batch = Batch(jnp.concatenate(views) if len(views) > 1 else views[0], labels)
-            ctx = LocalContext(global_params, global_model_state, client_state, k_loss)
-            (loss, (terms, new_model_state)), grads = grad_fn(params, model_state, batch, ctx)
+            ctx = LocalContext(global_params, global_model_state, client_state, k_loss, counts,
+                               message)
+            (loss, (terms, new_model_state, report)), grads = grad_fn(
+                params, model_state, batch, ctx)
             opt_state.hyperparams["learning_rate"] = s.lr_fn(round_index, epoch)
             updates, new_opt_state = optimizer.update(grads, opt_state, params)
             new = (optax.apply_updates(params, updates), new_model_state, new_opt_state)
@@ -152,15 +189,19 @@ def make_local_update(model: ModelFns, algorithm: ClientAlgorithm,
                 active = t < s.local_epochs * client_steps
                 new = jax.tree.map(lambda n, o: jnp.where(active, n, o), new,
                                    (params, model_state, opt_state))
-            return new, (loss, terms, active)
+            return new, (loss, terms, active, report)
 
-        (params, model_state, _), (losses, terms, active) = jax.lax.scan(
+        (params, model_state, _), (losses, terms, active, reports) = jax.lax.scan(
             step, (global_params, global_model_state, opt_state), jnp.arange(s.num_steps)
         )
         weights = active.astype(jnp.float32)
         mean_over_steps = lambda x: jnp.sum(x * weights) / jnp.sum(weights)
         metrics = {"loss": mean_over_steps(losses)}
         metrics.update({k: mean_over_steps(v) for k, v in terms.items()})
+        if algorithm.report is not None:
+            last_epoch = (jnp.arange(s.num_steps) // client_steps == s.local_epochs - 1) & active
+            w = last_epoch.astype(jnp.float32)
+            metrics["report"] = jax.tree.map(lambda r: jnp.tensordot(w, r, axes=(0, 0)), reports)
         new_state = algorithm.update_client_state(client_state, params, model_state)
         return params, model_state, new_state, metrics
 

@@ -5,7 +5,8 @@
 1. keys depend only on (seed, round, client): ``fold_in(fold_in(client_root, round), client)``,
    so a resumed run is identical to an uninterrupted one;
 2. ``m = max(int(participation * num_clients), 1)`` clients sampled without replacement;
-3. server params broadcast (``in_axes=None``), each sampled client's state gathered;
+3. the server's broadcast (``ServerOptimizer.start``: the global model, or FedACG's
+   look-ahead) sent to every client (``in_axes=None``), each sampled client's state gathered;
 4. ``vmap`` over the sampled clients of the local ``scan`` (``engine/client.py``);
 5. weighted mean of client models (and of their BatchNorm statistics, if any) over the client
    axis;
@@ -19,6 +20,8 @@ metrics in a buffer of static length ``capacity``.
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -30,6 +33,7 @@ from fedjax_rcl.algorithms.base import ClientAlgorithm
 from fedjax_rcl.data.device import ClientData
 from fedjax_rcl.models.base import ModelState
 from fedjax_rcl.server.aggregate import client_weights, weighted_mean
+from fedjax_rcl.server.optimizers import ServerOptimizer
 from fedjax_rcl.types import ClientState, Metrics, Params, PRNGKey
 
 # The mesh axis that clients are sharded over.
@@ -49,6 +53,8 @@ class ServerState:
       client_states: per-client state table, leaves ``[num_clients, ...]`` (``()`` if none).
       round: ``int32 []``, index of the next round to run (0-based).
       key: ``uint32 [2]``, the run's root PRNG key.
+      message: what the server broadcasts besides the model (``ClientAlgorithm.server_message``;
+        ``()`` if nothing).
     """
 
     params: Params
@@ -57,16 +63,28 @@ class ServerState:
     client_states: ClientState
     round: jax.Array
     key: PRNGKey
+    message: Any = ()
 
 
 def init_server_state(params: Params, model_state: ModelState, algorithm: ClientAlgorithm,
-                      server_opt: optax.GradientTransformation, num_clients: int,
-                      key: PRNGKey) -> ServerState:
-    """The state before round 0: every client's state built from the initial global model."""
+                      server_opt: ServerOptimizer, num_clients: int,
+                      key: PRNGKey, report_like=None) -> ServerState:
+    """The state before round 0: every client's state built from the initial global model,
+    and the server's message from all-zero reports shaped as ``report_like`` (an algorithm
+    with a ``report``)."""
     one = algorithm.init_client_state(params, model_state)
     table = jax.tree.map(lambda x: jnp.broadcast_to(x, (num_clients, *jnp.shape(x))).copy(), one)
-    return ServerState(params=params, model_state=model_state, opt_state=server_opt.init(params),
-                       client_states=table, round=jnp.zeros((), jnp.int32), key=key)
+    return ServerState(params=params, model_state=model_state, opt_state=server_opt.tx.init(params),
+                       client_states=table, round=jnp.zeros((), jnp.int32), key=key,
+                       message=initial_message(algorithm, report_like))
+
+
+def initial_message(algorithm: ClientAlgorithm, report_like):
+    """The server's message before any client has reported: from all-zero reports."""
+    if algorithm.server_message is None:
+        return ()
+    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), report_like)
+    return algorithm.server_message(zeros)
 
 
 def init_key(key: PRNGKey) -> PRNGKey:
@@ -104,16 +122,19 @@ def cohort_layout(m: int, devices: int, clients_in_parallel: int | None) -> tupl
     return -(-m // k), k
 
 
-def make_round(local_update, server_opt: optax.GradientTransformation, *, num_clients: int,
+def make_round(local_update, server_opt: ServerOptimizer, *, num_clients: int,
+               server_message=None,
                participation: float, aggregation: str, mesh: Mesh | None = None,
                clients_in_parallel: int | None = None, host_states: bool = False):
     """Builds the round as a pure function (jit it, or fuse several with ``make_run_rounds``).
 
     Args:
       local_update: from ``engine.client.make_local_update``.
-      server_opt: optax transformation applied to the pseudo-gradient.
+      server_opt: what the clients start from (``start``) and the optax transformation applied
+        to the pseudo-gradient (``tx``).
       num_clients, participation: the population and the sampled fraction.
       aggregation: ``size`` or ``uniform`` client weights.
+      server_message: the algorithm's ``server_message`` (for one with a ``report``).
       mesh: a mesh with a ``clients`` axis to shard the sampled clients over (None: one device).
         The same code runs on one device, several, or several processes; only float
         reassociation in the client mean differs.
@@ -132,29 +153,29 @@ def make_round(local_update, server_opt: optax.GradientTransformation, *, num_cl
     devices = 1 if mesh is None else mesh.shape[CLIENTS]
     groups, per_group = cohort_layout(m, devices, clients_in_parallel)
     padded = groups * per_group
-    vmapped = jax.vmap(local_update, in_axes=(None, None, 0, 0, 0, 0, None, None))
+    vmapped = jax.vmap(local_update, in_axes=(None, None, 0, 0, 0, 0, None, None, None))
 
     def spread(x, spec):
         return x if mesh is None else jax.lax.with_sharding_constraint(
             x, NamedSharding(mesh, spec))
 
-    def train_group(params, model_state, round_index, data, group):
+    def train_group(params, model_state, round_index, data, message, group):
         """``k`` clients side by side: ``group`` leaves ``[k, ...]`` -> outputs ``[k, ...]``."""
         rows, keys, idx, sizes = group
         if jax.tree.leaves(keys)[0].shape[0] == 1:
             # One client at a time: call it unbatched. A vmap of size 1 still turns every
             # convolution into a batched one (ResNet-18 on XLA:CPU: ~9% slower per step).
             one = jax.tree.map(lambda x: x[0], (rows, keys, idx, sizes))
-            out = local_update(params, model_state, *one, round_index, data)
+            out = local_update(params, model_state, *one, round_index, data, message)
             return jax.tree.map(lambda x: x[None], out)
-        return vmapped(params, model_state, rows, keys, idx, sizes, round_index, data)
+        return vmapped(params, model_state, rows, keys, idx, sizes, round_index, data, message)
 
-    def train_local(params, model_state, round_index, data, xs):
+    def train_local(params, model_state, round_index, data, message, xs):
         """This device's clients (all of them without a mesh), ``per_group // devices`` at a
         time: leaves ``[n, ...]`` -> ``[n, ...]``."""
         n = jax.tree.leaves(xs)[0].shape[0]
         k = per_group // devices
-        run = lambda group: train_group(params, model_state, round_index, data, group)
+        run = lambda group: train_group(params, model_state, round_index, data, message, group)
         if n == k:
             return run(xs)
         out = jax.lax.map(run, jax.tree.map(lambda x: x.reshape(n // k, k, *x.shape[1:]), xs))
@@ -166,14 +187,15 @@ def make_round(local_update, server_opt: optax.GradientTransformation, *, num_cl
     # check_vma=False: every value inside is per device, and the global model is each client's
     # private starting point; the gradients taken inside are local, never summed over devices.
     train = train_local if mesh is None else jax.shard_map(
-        train_local, mesh=mesh, in_specs=(P(), P(), P(), P(), P(CLIENTS)),
+        train_local, mesh=mesh, in_specs=(P(), P(), P(), P(), P(), P(CLIENTS)),
         out_specs=P(CLIENTS), check_vma=False)
 
     def train_clients(state, data, clients, rows):
         """Local training of ``padded`` clients: ``[padded]`` ids -> ``[padded, ...]``."""
         xs = (rows, client_keys(state.key, state.round, clients),
               data.client_indices[clients], data.client_sizes[clients])
-        return train(state.params, state.model_state, state.round, data, xs)
+        start = server_opt.start(state.params, state.opt_state)
+        return train(start, state.model_state, state.round, data, state.message, xs)
 
     def round_with_rows(state: ServerState, data: ClientData, rows):
         sampled = sample_clients(state.key, state.round, num_clients, m)
@@ -186,15 +208,20 @@ def make_round(local_update, server_opt: optax.GradientTransformation, *, num_cl
         weights = jnp.where(valid, client_weights(data.client_sizes[clients], aggregation), 0.0)
         mean_params = weighted_mean(trained, weights)
         pseudo_grad = jax.tree.map(jnp.subtract, state.params, mean_params)
-        updates, opt_state = server_opt.update(pseudo_grad, state.opt_state, state.params)
+        updates, opt_state = server_opt.tx.update(pseudo_grad, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
+        reports = client_metrics.pop("report", None)
+        message = state.message
+        if reports is not None:  # summed over the round's real clients
+            message = server_message(jax.tree.map(
+                lambda r: jnp.tensordot(valid.astype(r.dtype), r, axes=(0, 0)), reports))
         metrics = {k: jnp.sum(jnp.where(valid, v, 0.0)) / m for k, v in client_metrics.items()}
         metrics["client_loss"] = client_metrics["loss"][:m]
         metrics["clients"] = sampled
         if mesh is not None:  # every process reads the metrics
             metrics = jax.tree.map(lambda x: spread(x, P()), metrics)
         new_state = state.replace(params=params, model_state=weighted_mean(trained_ms, weights),
-                                  opt_state=opt_state, round=state.round + 1)
+                                  opt_state=opt_state, round=state.round + 1, message=message)
         return new_state, metrics, jax.tree.map(lambda r: r[:m], new_rows)
 
     if host_states:

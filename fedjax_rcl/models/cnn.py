@@ -13,6 +13,7 @@ import jax
 from fedjax_rcl.models.base import ModelOutput, ProjectionHead, spatial_mean
 from fedjax_rcl.nn.conv import torch_conv, torch_dense
 from fedjax_rcl.nn.pool import max_pool
+from fedjax_rcl.registry import register_model
 
 
 class SmallCNN(nn.Module):
@@ -46,3 +47,14 @@ class SmallCNN(nn.Module):
         if self.projection_dim:
             z = ProjectionHead(self.projection_dim, name="projection")(x)
         return ModelOutput(logits, tuple(spatial_mean(f) for f in levels), x, z)
+
+
+def _build(num_classes, *, conv_impl="auto", norm="group", width=None, projection_dim=None):
+    if width is not None:
+        raise ValueError(f"width={width}: model=cnn has a fixed width")
+    del norm  # no normalization layers; "group" is the config's default
+    return SmallCNN(num_classes, conv_impl=conv_impl, projection_dim=projection_dim)
+
+
+# Levels: the two conv outputs and the two hidden dense outputs, pre-ReLU.
+register_model("cnn", _build, num_levels=4, norms=("group",))

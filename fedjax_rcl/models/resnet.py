@@ -22,6 +22,7 @@ import jax
 from fedjax_rcl.models.base import ModelOutput, ProjectionHead, spatial_mean
 from fedjax_rcl.nn.conv import torch_conv, torch_dense
 from fedjax_rcl.nn.norm import Norm
+from fedjax_rcl.registry import register_model
 
 
 class BasicBlock(nn.Module):
@@ -105,3 +106,17 @@ def resnet18(num_classes: int, *, width: int = 64, **kw) -> ResNet:
 
 def resnet34(num_classes: int, *, width: int = 64, **kw) -> ResNet:
     return ResNet(num_classes, stage_sizes=(3, 4, 6, 3), widths=stage_widths(width), **kw)
+
+
+def _builder(make):
+    def build(num_classes, *, conv_impl="auto", norm="group", width=None, projection_dim=None):
+        return make(num_classes, width=64 if width is None else width, norm=norm,
+                    conv_impl=conv_impl, projection_dim=projection_dim)
+
+    return build
+
+
+for _name, _make in (("resnet10", resnet10), ("resnet18", resnet18), ("resnet34", resnet34)):
+    # Levels: the stem's normalised output and each stage's output (SPEC §4).
+    register_model(_name, _builder(_make), num_levels=5, norms=("group", "batch", "twin"),
+                   width=True, one_client_at_a_time_on_cpu=True)

@@ -1,7 +1,15 @@
-"""Aggregation and server optimizers."""
+"""Aggregation and server optimizers (each registers itself; see ``fedjax_rcl.registry``)."""
 
 from fedjax_rcl.server.aggregate import AGGREGATIONS, client_weights, weighted_mean
-from fedjax_rcl.server.optimizers import SERVER_OPTIMIZERS, server_optimizer
+from fedjax_rcl.server.fedacg import fedacg
+from fedjax_rcl.server.optimizers import (
+    ServerOptimizer,
+    fedadam,
+    fedavg,
+    fedavgm,
+    scale_by_fedadam,
+    server_optimizer,
+)
 
-__all__ = ["AGGREGATIONS", "SERVER_OPTIMIZERS", "client_weights", "server_optimizer",
-           "weighted_mean"]
+__all__ = ["AGGREGATIONS", "ServerOptimizer", "client_weights", "fedacg", "fedadam", "fedavg",
+           "fedavgm", "scale_by_fedadam", "server_optimizer", "weighted_mean"]

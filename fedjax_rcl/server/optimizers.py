@@ -3,27 +3,167 @@
 The engine hands the server optimizer the pseudo-gradient
 
 .. math::
-    g = \\theta - \\operatorname{mean}_k(\\theta_k)
+    g = \\theta - \\operatorname{mean}_k(\\theta_k) = -d
 
 so that plain SGD with learning rate 1 reproduces FedAvg (``theta <- mean(theta_k)``), and any
 optax optimizer becomes a server optimizer (Reddi et al., "Adaptive Federated Optimization",
-ICLR 2021, arXiv 2003.00295).
+ICLR 2021, arXiv 2003.00295). A ``ServerOptimizer`` may also change what the clients start
+from and add a term to every client's objective (FedACG, ``server/fedacg.py``): the engine's one
+broadcast path (``engine.round``) reads both from here.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
 import optax
 
-SERVER_OPTIMIZERS = ("fedavg",)
+from fedjax_rcl import registry
+from fedjax_rcl.types import Params
 
 
-def server_optimizer(name: str, *, lr: float = 1.0) -> optax.GradientTransformation:
-    """Builds a server optimizer by config name.
+@dataclasses.dataclass(frozen=True)
+class ServerOptimizer:
+    """What the server does with the clients' models, and what it sends them.
 
-    Args:
-      name: ``fedavg`` (SGD on the pseudo-gradient; ``lr=1`` is the plain mean).
-      lr: server learning rate.
+    Attributes:
+      tx: optax transformation of the pseudo-gradient ``g = theta - mean_k theta_k``; its
+        update is added to ``theta``.
+      client_start: ``(params, opt_state) -> params`` the clients start local training from
+        (and that ``LocalContext.global_params`` holds); None: the global model itself.
+      client_penalty: ``(params, start) -> []`` added to every client's local objective, for
+        any client algorithm; None: nothing.
+      penalty_name: the metric name of that term.
     """
-    if name == "fedavg":
-        return optax.sgd(lr)
-    raise ValueError(f"server.optimizer={name!r}: allowed {SERVER_OPTIMIZERS}")
+
+    tx: optax.GradientTransformation
+    client_start: Callable[[Params, optax.OptState], Params] | None = None
+    client_penalty: Callable[[Params, Params], jax.Array] | None = None
+    penalty_name: str = "server_penalty"
+
+    def start(self, params: Params, opt_state: optax.OptState) -> Params:
+        """The model the clients start from this round."""
+        return params if self.client_start is None else self.client_start(params, opt_state)
+
+
+def fedavg(lr: float = 1.0) -> ServerOptimizer:
+    """FedAvg: ``theta <- theta - lr g``; with ``lr = 1`` the new model is the clients' mean.
+
+    McMahan et al., AISTATS 2017 (arXiv 1602.05629).
+    """
+    return ServerOptimizer(optax.sgd(lr))
+
+
+def fedavgm(lr: float = 1.0, *, beta: float = 0.4) -> ServerOptimizer:
+    """FedAvgM: server momentum on ``d = mean_k theta_k - theta``.
+
+    .. math::
+        m \\leftarrow \\beta m + d, \\qquad \\theta \\leftarrow \\theta + \\eta m
+
+    Hsu, Qi, Brown, "Measuring the Effects of Non-Identical Data Distribution for Federated
+    Visual Classification" (arXiv 1909.06335); FedRCL's tables use beta = 0.4. optax's SGD
+    trace ``m' = g + beta m'`` is ``-m`` for ``g = -d``, and its update ``-lr m'`` is ``lr m``.
+    """
+    return ServerOptimizer(optax.sgd(lr, momentum=beta))
+
+
+class FedAdamState(NamedTuple):
+    """First and second moments of the pseudo-gradient."""
+
+    mu: optax.Updates
+    nu: optax.Updates
+
+
+def scale_by_fedadam(b1: float = 0.9, b2: float = 0.99,
+                     tau: float = 1e-3) -> optax.GradientTransformation:
+    """Adam's scaling as FedAdam states it: no bias correction, ``v_0 = tau^2``.
+
+    .. math::
+        m \\leftarrow b_1 m + (1 - b_1) g, \\quad v \\leftarrow b_2 v + (1 - b_2) g^2, \\quad
+        u = \\frac{m}{\\sqrt{v} + \\tau}
+
+    (``optax.scale_by_adam`` always debiases and starts ``v`` at 0.)
+    """
+
+    def init(params):
+        return FedAdamState(jax.tree.map(jnp.zeros_like, params),
+                            jax.tree.map(lambda p: jnp.full_like(p, tau * tau), params))
+
+    def update(updates, state, params=None):
+        del params
+        mu = jax.tree.map(lambda m, g: b1 * m + (1 - b1) * g, state.mu, updates)
+        nu = jax.tree.map(lambda v, g: b2 * v + (1 - b2) * g * g, state.nu, updates)
+        out = jax.tree.map(lambda m, v: m / (jnp.sqrt(v) + tau), mu, nu)
+        return out, FedAdamState(mu, nu)
+
+    return optax.GradientTransformation(init, update)
+
+
+def fedadam(lr: float = 0.01, *, b1: float = 0.9, b2: float = 0.99,
+            tau: float = 1e-3) -> ServerOptimizer:
+    """FedAdam on ``d = mean_k theta_k - theta``, without bias correction.
+
+    .. math::
+        m \\leftarrow b_1 m + (1-b_1) d, \\quad v \\leftarrow b_2 v + (1-b_2) d^2 \\
+        (v_0 = \\tau^2), \\quad \\theta \\leftarrow \\theta + \\eta \\frac{m}{\\sqrt v + \\tau}
+
+    Reddi et al., "Adaptive Federated Optimization", ICLR 2021 (arXiv 2003.00295), Alg. 2.
+    With ``g = -d`` the moments are those of ``g`` up to the sign of ``m``.
+    """
+    return ServerOptimizer(optax.chain(scale_by_fedadam(b1, b2, tau), optax.scale(-lr)))
+
+
+def _finite(x) -> bool:
+    from fedjax_rcl.config import finite
+
+    return finite(x)
+
+
+@dataclasses.dataclass
+class FedAvgMConfig:
+    """``server.optimizer=fedavgm``: momentum (FedRCL's tables: 0.4)."""
+
+    beta: float = 0.4
+
+    def check(self, ctx) -> list[str]:
+        del ctx
+        ok = _finite(self.beta) and 0 <= self.beta < 1
+        return [] if ok else [f"beta={self.beta!r}: must be in [0, 1)"]
+
+
+@dataclasses.dataclass
+class FedAdamConfig:
+    """``server.optimizer=fedadam``: moment decays and the adaptivity tau (no bias correction)."""
+
+    b1: float = 0.9
+    b2: float = 0.99
+    tau: float = 1e-3
+
+    def check(self, ctx) -> list[str]:
+        del ctx
+        p = [f"{k}={v!r}: must be in [0, 1)" for k, v in (("b1", self.b1), ("b2", self.b2))
+             if not (_finite(v) and 0 <= v < 1)]
+        if not (_finite(self.tau) and self.tau > 0):
+            p.append(f"tau={self.tau!r}: must be > 0")
+        return p
+
+
+registry.register_server_optimizer("fedavg", lambda s, lr: fedavg(lr))
+registry.register_server_optimizer("fedavgm", lambda s, lr: fedavgm(lr, beta=s.beta),
+                                   config=FedAvgMConfig)
+registry.register_server_optimizer(
+    "fedadam", lambda s, lr: fedadam(lr, b1=s.b1, b2=s.b2, tau=s.tau), config=FedAdamConfig,
+    default_lr=0.01)
+
+
+def server_optimizer(cfg) -> ServerOptimizer:
+    """The configured server optimizer (``cfg.server``), ``server.lr`` null meaning the
+    optimizer's default."""
+    entry = registry.server_optimizer(cfg.server.optimizer)
+    settings = getattr(cfg.server, entry.name, None)
+    lr = entry.default_lr if cfg.server.lr is None else cfg.server.lr
+    return entry.build(settings, lr)

@@ -1,0 +1,268 @@
+"""What the config can name: algorithms, models and server optimizers, each registered by its
+own module, built-in or the user's.
+
+An entry names its builder and, optionally, a config section: a dataclass of hyperparameters
+with defaults that becomes a key of the run config (``fedprox.mu``, ``server.fedadam.tau``),
+type-checked by OmegaConf and value-checked by the section's own ``check``. ``config.py`` builds
+its schema from these entries and knows no particular algorithm, model or optimizer.
+
+Built-in entries register when their packages are imported (``load_builtins``: every module of
+``fedjax_rcl.algorithms``, ``fedjax_rcl.models`` and ``fedjax_rcl.server``, then the
+``fedjax_rcl.plugins`` entry-point group of installed packages). A user's module registers the
+same way and is named in the run config, ``plugins: [my_algorithms]``, so that ``train``,
+``resume`` and ``eval`` import it before reading the rest of the config::
+
+    # my_algorithms.py
+    import dataclasses
+    from fedjax_rcl import registry
+    from fedjax_rcl.algorithms import ClientAlgorithm, cross_entropy
+
+    @dataclasses.dataclass
+    class LabelSmoothingConfig:
+        smoothing: float = 0.1
+
+    def build(settings, model):
+        def objective(out, params, batch, ctx):
+            ...
+        return ClientAlgorithm("label_smoothing", objective)
+
+    registry.register_algorithm("label_smoothing", build, config=LabelSmoothingConfig)
+
+A section may define ``check(self, ctx: CheckContext) -> list[str]``: one line per problem,
+``"field=value: what is allowed"``; the config prefixes the section's key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import importlib.metadata
+import os
+import pkgutil
+import sys
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+PLUGIN_GROUP = "fedjax_rcl.plugins"
+
+
+class CheckContext(NamedTuple):
+    """What a section's ``check`` may consult besides its own values.
+
+    Attributes:
+      model: the configured model name.
+      num_levels: how many feature levels that model returns (None: unknown model).
+    """
+
+    model: str
+    num_levels: int | None
+
+
+def _no_kwargs(settings) -> dict:
+    del settings
+    return {}
+
+
+@dataclasses.dataclass(frozen=True)
+class AlgorithmEntry:
+    """A client algorithm the config can name.
+
+    Attributes:
+      name: the ``algorithm=`` value.
+      build: ``(settings, model: ModelFns) -> ClientAlgorithm``; ``settings`` is the run's
+        instance of ``config`` (None when the algorithm has no section).
+      config: dataclass of its hyperparameters (None: it has none).
+      section: the config key of those hyperparameters (default: ``name``); two algorithms may
+        share one (FedSCL reads FedRCL's).
+      num_views: augmented views per sample (known before the model is built).
+      model_kwargs: ``settings -> dict`` of extra model arguments (MOON's projection head).
+    """
+
+    name: str
+    build: Callable
+    config: type | None = None
+    section: str | None = None
+    num_views: int = 1
+    model_kwargs: Callable[[Any], dict] = _no_kwargs
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelEntry:
+    """A model the config can name.
+
+    Attributes:
+      name: the ``model=`` value.
+      build: ``(num_classes, *, conv_impl, norm, width, projection_dim) -> flax Module`` whose
+        ``__call__(x, *, train)`` returns a ``ModelOutput``; ``width`` is None when unset.
+      num_levels: feature levels in its ``ModelOutput.features``.
+      norms: the ``norm=`` values it accepts (its first is the default).
+      width: whether ``width=`` applies (a ResNet's first-stage channels).
+      one_client_at_a_time_on_cpu: ``clients_in_parallel=0`` trains one client after another on
+        a CPU (large convolutional models: batching clients buys nothing there).
+    """
+
+    name: str
+    build: Callable
+    num_levels: int
+    norms: tuple[str, ...] = ("group",)
+    width: bool = False
+    one_client_at_a_time_on_cpu: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerOptimizerEntry:
+    """A server optimizer the config can name (``server.optimizer=``).
+
+    Attributes:
+      name: the value.
+      build: ``(settings, lr: float) -> fedjax_rcl.server.ServerOptimizer``.
+      config: dataclass of its hyperparameters, the config section ``server.<name>``.
+      default_lr: the server learning rate when ``server.lr`` is null.
+    """
+
+    name: str
+    build: Callable
+    config: type | None = None
+    default_lr: float = 1.0
+
+
+ALGORITHMS: dict[str, AlgorithmEntry] = {}
+MODELS: dict[str, ModelEntry] = {}
+SERVER_OPTIMIZERS: dict[str, ServerOptimizerEntry] = {}
+# Config keys an algorithm section may not take (the run config's own top-level keys); set by
+# ``fedjax_rcl.config``.
+RESERVED_KEYS: set[str] = set()
+# Bumped by every registration, so that the config schema is rebuilt when entries change.
+version = 0
+
+
+def _add(table: dict, entry, kind: str, replace: bool) -> None:
+    global version
+    if not entry.name or not isinstance(entry.name, str):
+        raise ValueError(f"{kind} name {entry.name!r}: must be a non-empty string")
+    if entry.name in table and not replace and table[entry.name] != entry:
+        raise ValueError(f"{kind} {entry.name!r} is already registered (pass replace=True to "
+                         "override it)")
+    config = getattr(entry, "config", None)
+    if config is not None and not dataclasses.is_dataclass(config):
+        raise TypeError(f"{kind} {entry.name!r}: config must be a dataclass type, got {config!r}")
+    table[entry.name] = entry
+    version += 1
+
+
+def register_algorithm(name: str, build: Callable, *, config: type | None = None,
+                       section: str | None = None, num_views: int = 1,
+                       model_kwargs: Callable[[Any], dict] | None = None,
+                       replace: bool = False) -> AlgorithmEntry:
+    """Makes ``algorithm=name`` available (see ``AlgorithmEntry`` for the arguments)."""
+    section = section or (name if config is not None else None)
+    if section in RESERVED_KEYS:
+        raise ValueError(f"algorithm {name!r}: section {section!r} is a core config key")
+    if config is None and section is not None:
+        owners = [e for e in ALGORITHMS.values() if e.section == section and e.config]
+        if not owners:
+            raise ValueError(f"algorithm {name!r}: section {section!r} has no registered config")
+        config = owners[0].config
+    for other in ALGORITHMS.values():
+        if other.name != name and other.section == section and section and other.config \
+                is not config:
+            raise ValueError(f"algorithm {name!r}: section {section!r} belongs to "
+                             f"{other.name!r} with another config type")
+    entry = AlgorithmEntry(name, build, config, section, num_views,
+                           model_kwargs or _no_kwargs)
+    _add(ALGORITHMS, entry, "algorithm", replace)
+    return entry
+
+
+def register_model(name: str, build: Callable, *, num_levels: int,
+                   norms: tuple[str, ...] = ("group",), width: bool = False,
+                   one_client_at_a_time_on_cpu: bool = False,
+                   replace: bool = False) -> ModelEntry:
+    """Makes ``model=name`` available (see ``ModelEntry`` for the arguments)."""
+    entry = ModelEntry(name, build, num_levels, tuple(norms), width,
+                       one_client_at_a_time_on_cpu)
+    _add(MODELS, entry, "model", replace)
+    return entry
+
+
+def register_server_optimizer(name: str, build: Callable, *, config: type | None = None,
+                              default_lr: float = 1.0,
+                              replace: bool = False) -> ServerOptimizerEntry:
+    """Makes ``server.optimizer=name`` available (see ``ServerOptimizerEntry``)."""
+    if name in ("optimizer", "lr"):
+        raise ValueError(f"server optimizer {name!r}: a core key of the server section")
+    entry = ServerOptimizerEntry(name, build, config, default_lr)
+    _add(SERVER_OPTIMIZERS, entry, "server optimizer", replace)
+    return entry
+
+
+def import_modules(package: str) -> None:
+    """Imports every module of a package whose name does not start with ``_`` (so that each
+    registers itself)."""
+    pkg = importlib.import_module(package)
+    for info in pkgutil.iter_modules(pkg.__path__):
+        if not info.name.startswith("_"):
+            importlib.import_module(f"{package}.{info.name}")
+
+
+_builtins_loaded = False
+
+
+def load_builtins() -> None:
+    """Imports every built-in algorithm, model and server optimizer module, and the installed
+    packages' ``fedjax_rcl.plugins`` entry points (once)."""
+    global _builtins_loaded
+    if _builtins_loaded:
+        return
+    _builtins_loaded = True
+    for package in ("fedjax_rcl.algorithms", "fedjax_rcl.models", "fedjax_rcl.server"):
+        import_modules(package)
+    for ep in importlib.metadata.entry_points(group=PLUGIN_GROUP):
+        ep.load()
+
+
+def load_plugins(names) -> list[str]:
+    """Imports the user's modules named in ``plugins`` (dotted module names, looked up from the
+    current directory too, as ``python -m`` would). Returns one problem line per module that
+    cannot be imported."""
+    problems = []
+    if os.getcwd() not in sys.path:
+        sys.path.append(os.getcwd())
+    for name in names or ():
+        if not isinstance(name, str) or not name:
+            problems.append(f"plugins: {name!r}: give a module name such as my_algorithms")
+            continue
+        try:
+            importlib.import_module(name)
+        except Exception as e:  # a plugin's import error, whatever it is, is a config problem
+            first = str(e).splitlines()[0] if str(e) else ""
+            problems.append(f"plugins: cannot import {name!r} ({type(e).__name__}: {first})")
+    return problems
+
+
+def algorithm(name: str) -> AlgorithmEntry:
+    """The entry of ``algorithm=name`` (ValueError naming the allowed values)."""
+    load_builtins()
+    try:
+        return ALGORITHMS[name]
+    except KeyError:
+        raise ValueError(f"algorithm={name!r}: allowed {', '.join(ALGORITHMS)}") from None
+
+
+def model(name: str) -> ModelEntry:
+    """The entry of ``model=name`` (ValueError naming the allowed values)."""
+    load_builtins()
+    try:
+        return MODELS[name]
+    except KeyError:
+        raise ValueError(f"model={name!r}: allowed {', '.join(MODELS)}") from None
+
+
+def server_optimizer(name: str) -> ServerOptimizerEntry:
+    """The entry of ``server.optimizer=name`` (ValueError naming the allowed values)."""
+    load_builtins()
+    try:
+        return SERVER_OPTIMIZERS[name]
+    except KeyError:
+        raise ValueError(f"server.optimizer={name!r}: allowed "
+                         f"{', '.join(SERVER_OPTIMIZERS)}") from None
