@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     _enable_compilation_cache()
     try:
         if args.command == "resume":
-            from fedjax_rcl.experiment import TrainingError, resume
+            from fedjax_rcl.training import TrainingError, resume
 
             try:
                 resume(args.run_dir, args.overrides, force=args.force,
@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
                 return _fail(str(e), EXIT_TRAINING)
             return 0
         if args.command == "eval":
-            from fedjax_rcl.experiment import evaluate_run
+            from fedjax_rcl.training import evaluate_run
 
             print(json.dumps(evaluate_run(args.run_dir)))
             return 0
@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.print_config:
                 print(to_yaml(cfg), end="")
                 return 0
-            from fedjax_rcl.experiment import TrainingError, train
+            from fedjax_rcl.training import TrainingError, train
 
             try:
                 train(cfg, progress=not args.no_progress)

@@ -17,7 +17,7 @@ import pytest
 
 from fedjax_rcl.cli import main
 from fedjax_rcl.config import ConfigError, load_config
-from fedjax_rcl.experiment import evaluate_run, load_run, resume, train
+from fedjax_rcl.training import evaluate_run, load_run, resume, train
 
 # Small and fast: 10 digits clients, 2 per round, one local epoch.
 TINY = ["dataset=digits", "num_clients=10", "participation=0.2", "local_epochs=1",

@@ -31,7 +31,8 @@ def worker(model: str, clients: int, where: str) -> dict:
     from bench_round import _fake_cifar
 
     from fedjax_rcl.config import Config
-    from fedjax_rcl.experiment import _compile, build
+    from fedjax_rcl.experiment import build
+    from fedjax_rcl.training import _compile
 
     cfg = Config(dataset="fake", model=model, algorithm="moon", num_clients=clients,
                  participation=1 / clients, partition="iid", local_epochs=1, batch_size=50,

@@ -38,15 +38,15 @@ def probe(run_dir: str, images: int) -> dict:
     import jax
 
     from fedjax_rcl.data.augment import normalize
-    from fedjax_rcl.experiment import _from_checkpoint_tree, load_run
     from fedjax_rcl.metrics import (
         class_covariance_traces,
         effective_rank,
         variability_collapse_index,
     )
+    from fedjax_rcl.training import load_run, state_from_checkpoint
 
     exp, restored = load_run(run_dir)
-    state = _from_checkpoint_tree(exp, restored.state)
+    state = state_from_checkpoint(exp, restored.state)
     ds = exp.dataset
     # A fixed random subset: image folders list the test set class by class.
     pick = np.sort(np.random.default_rng(0).permutation(len(ds.test_labels))[:images])
