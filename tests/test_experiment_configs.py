@@ -1,0 +1,41 @@
+"""Every experiment config and every run of every suite under experiments/ is a valid config
+(its dataset may be absent here, so the dataset is checked for its form only)."""
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from fedjax_rcl.config import load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+EXPERIMENTS = ROOT / "experiments"
+FILES = sorted(p for p in EXPERIMENTS.rglob("*.yaml")
+               if not {"runs", "results"} & set(p.relative_to(EXPERIMENTS).parts))
+
+
+def _cases():
+    for path in FILES:
+        doc = yaml.safe_load(path.read_text())
+        if "runs" in doc:  # a suite: base config + each run's overrides
+            for name, overrides in doc["runs"].items():
+                yield pytest.param(ROOT / doc["base"], overrides,
+                                   id=f"{path.relative_to(EXPERIMENTS)}:{name}")
+        else:
+            yield pytest.param(path, [], id=str(path.relative_to(EXPERIMENTS)))
+
+
+def test_there_are_paper_and_cpu_tables():
+    names = {p.relative_to(EXPERIMENTS).as_posix() for p in FILES}
+    assert {"paper/table1_cifar10.yaml", "paper/table1_cifar100.yaml",
+            "paper/table5_cifar10.yaml", "paper/tableB_cifar100.yaml",
+            "cpu/table1_cifar10_resnet10w16.yaml"} <= names
+
+
+@pytest.mark.parametrize("base,overrides", list(_cases()))
+def test_config_is_valid(base, overrides):
+    raw = yaml.safe_load(Path(base).read_text())
+    dataset = raw.get("dataset", "digits")
+    assert dataset in ("digits", "cifar10", "cifar100") or dataset.startswith("imagefolder:")
+    cfg = load_config(str(base), [*overrides, "dataset=digits", "data_dir=null"])
+    assert cfg.rounds >= 1
