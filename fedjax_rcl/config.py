@@ -323,6 +323,26 @@ def config_digest(cfg: CoreConfig) -> str:
                           ).hexdigest()[:16]
 
 
+# The algorithm sections every config had before the registry (2026-11-24).
+_LEGACY_SECTIONS = ("fedprox", "fedrcl", "fedcl", "moon")
+
+
+def legacy_config_digest(cfg: CoreConfig) -> str:
+    """The digest checkpoints written before the registry carry: every key of that day's
+    config (all four algorithm sections, no server-optimizer sections, no ``plugins``), so
+    that those runs still resume."""
+    flat = _flat(dataclasses.asdict(cfg))
+    known = {f.name for f in dataclasses.fields(CoreConfig)} - {"plugins"}
+    keep = {k: v for k, v in flat.items()
+            if k not in RESUME_SAFE_KEYS and (
+                k in known and "." not in k
+                or k.split(".")[0] in ("distributed", *_LEGACY_SECTIONS)
+                or k in ("server.optimizer", "server.lr"))}
+    if keep.get("server.lr") is None:
+        keep["server.lr"] = 1.0  # that day's default
+    return hashlib.sha256(json.dumps(keep, sort_keys=True).encode()).hexdigest()[:16]
+
+
 def to_yaml(cfg: CoreConfig) -> str:
     return OmegaConf.to_yaml(OmegaConf.structured(cfg))
 

@@ -26,6 +26,7 @@ from fedjax_rcl.config import (
     CoreConfig,
     changed_keys,
     config_digest,
+    legacy_config_digest,
     load_config,
     to_yaml,
 )
@@ -295,7 +296,7 @@ def _resume_locked(run_dir: Path, saved: CoreConfig, cfg: CoreConfig, *, force: 
         restored = Restored(checkpoint_tree(exp, exp.state), _checkpoint_meta(cfg, 0, None), 0)
         _save(ckpt, run_dir, 0, restored.state, restored.meta)
     digest = restored.meta.get("config_digest")
-    if digest != config_digest(cfg) and not force:
+    if digest not in (config_digest(cfg), legacy_config_digest(cfg)) and not force:
         ckpt.close()
         raise ConfigError([f"resume: the checkpoint in {run_dir} was written with a different "
                            "config than config.yaml now holds; pass --force to continue anyway"])

@@ -1,0 +1,30 @@
+"""The config digest that checkpoints carry: it covers exactly the result-deciding settings, and
+runs checkpointed before the registry still resume."""
+
+import pytest
+
+from fedjax_rcl.config import changed_keys, config_digest, legacy_config_digest, load_config
+
+
+def test_digest_covers_the_sections_in_use_only():
+    base = load_config(None, ["algorithm=fedrcl"])
+    assert config_digest(load_config(None, ["algorithm=fedrcl", "moon.mu=5"])) == \
+        config_digest(base)
+    assert config_digest(load_config(None, ["algorithm=fedrcl", "server.fedadam.tau=0.1"])) == \
+        config_digest(base)
+    assert config_digest(load_config(None, ["algorithm=fedrcl", "fedrcl.beta=2"])) != \
+        config_digest(base)
+    adam = load_config(None, ["server.optimizer=fedadam"])
+    assert config_digest(load_config(None, ["server.optimizer=fedadam",
+                                            "server.fedadam.tau=0.1"])) != config_digest(adam)
+    assert config_digest(load_config(None, ["rounds=7"])) == config_digest(base)  # resume-safe
+    assert changed_keys(base, load_config(None, ["algorithm=fedrcl", "moon.mu=5"])) == []
+
+
+@pytest.mark.parametrize("overrides,digest", [
+    # Computed by the config code of commit 97dec07 (before the registry) for these configs.
+    ([], "1553869f6a007109"),
+    (["algorithm=moon", "moon.mu=5", "rounds=7", "fedrcl.beta=2"], "20b9894768bba308"),
+])
+def test_legacy_digest_is_what_checkpoints_before_the_registry_carry(overrides, digest):
+    assert legacy_config_digest(load_config(None, overrides)) == digest
