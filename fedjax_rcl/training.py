@@ -14,9 +14,11 @@ import json
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import jax
 import numpy as np
+from flax import struct
 
 from fedjax_rcl import interrupts, rundir
 from fedjax_rcl.checkpoint import Checkpointer, Restored
@@ -120,6 +122,36 @@ def _compile(exp: Experiment, log):
 def checkpoint_tree(exp: Experiment, state: ServerState):
     """What a checkpoint holds: the server state, plus the host-memory table if there is one."""
     return state if exp.host_table is None else {"server": state, "host": exp.host_table}
+
+
+@struct.dataclass
+class _ServerStateBeforeMessages:
+    """``ServerState`` as checkpoints written before 2026-11-24 hold it (no ``message``)."""
+
+    params: Any
+    model_state: Any
+    opt_state: Any
+    client_states: Any
+    round: Any
+    key: Any
+
+
+def _older_layouts(exp: Experiment) -> tuple:
+    """How a checkpoint of an older state layout is read into the current one."""
+    s = exp.state
+    if jax.tree.leaves(s.message):  # algorithms with a message are newer than that layout
+        return ()
+    old = _ServerStateBeforeMessages(s.params, s.model_state, s.opt_state, s.client_states,
+                                     s.round, s.key)
+
+    def upgrade(tree):
+        server = tree if exp.host_table is None else tree["server"]
+        new = ServerState(params=server.params, model_state=server.model_state,
+                          opt_state=server.opt_state, client_states=server.client_states,
+                          round=server.round, key=server.key, message=s.message)
+        return new if exp.host_table is None else {**tree, "server": new}
+
+    return ((checkpoint_tree(exp, old), upgrade),)
 
 
 def state_from_checkpoint(exp: Experiment, tree) -> ServerState:
@@ -285,7 +317,8 @@ def _resume_locked(run_dir: Path, saved: CoreConfig, cfg: CoreConfig, *, force: 
                            "continue anyway"])
     exp = build(cfg, dataset)
     ckpt = Checkpointer(run_dir / "checkpoints", keep=cfg.keep_checkpoints)
-    restored = ckpt.restore_latest(checkpoint_tree(exp, exp.state))
+    restored = ckpt.restore_latest(checkpoint_tree(exp, exp.state),
+                                   older_layouts=_older_layouts(exp))
     if restored is None:
         if read_metrics_upto(run_dir / "metrics.jsonl", 1 << 62):
             ckpt.close()
@@ -327,7 +360,8 @@ def load_run(run_dir: str | Path, *, dataset: ImageDataset | None = None):
     exp = build(cfg, dataset)
     ckpt = Checkpointer(run_dir / "checkpoints", keep=cfg.keep_checkpoints)
     try:
-        restored = ckpt.restore_latest(checkpoint_tree(exp, exp.state))
+        restored = ckpt.restore_latest(checkpoint_tree(exp, exp.state),
+                                       older_layouts=_older_layouts(exp))
     finally:
         ckpt.close()
     if restored is None:
