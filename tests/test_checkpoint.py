@@ -255,6 +255,7 @@ def test_sigint_and_sigterm_at_any_moment_exit_cleanly_and_resume_exactly(tmp_pa
     assert "compiling" in seen, seen
 
 
+@pytest.mark.slow
 def test_checkpoints_from_before_the_registry_still_resume_identically(reference, tmp_path):
     """A checkpoint in the older layout (no server message) with the older config digest, as
     runs written before 2026-11-24 hold them, resumes to the uninterrupted run's result."""
