@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import optax
 
 from fedjax_rcl import registry
+from fedjax_rcl.config import finite
 from fedjax_rcl.types import Params
 
 
@@ -117,12 +118,6 @@ def fedadam(lr: float = 0.01, *, b1: float = 0.9, b2: float = 0.99,
     return ServerOptimizer(optax.chain(scale_by_fedadam(b1, b2, tau), optax.scale(-lr)))
 
 
-def _finite(x) -> bool:
-    from fedjax_rcl.config import finite
-
-    return finite(x)
-
-
 @dataclasses.dataclass
 class FedAvgMConfig:
     """``server.optimizer=fedavgm``: momentum (FedRCL's tables: 0.4)."""
@@ -131,7 +126,7 @@ class FedAvgMConfig:
 
     def check(self, ctx) -> list[str]:
         del ctx
-        ok = _finite(self.beta) and 0 <= self.beta < 1
+        ok = finite(self.beta) and 0 <= self.beta < 1
         return [] if ok else [f"beta={self.beta!r}: must be in [0, 1)"]
 
 
@@ -146,8 +141,8 @@ class FedAdamConfig:
     def check(self, ctx) -> list[str]:
         del ctx
         p = [f"{k}={v!r}: must be in [0, 1)" for k, v in (("b1", self.b1), ("b2", self.b2))
-             if not (_finite(v) and 0 <= v < 1)]
-        if not (_finite(self.tau) and self.tau > 0):
+             if not (finite(v) and 0 <= v < 1)]
+        if not (finite(self.tau) and self.tau > 0):
             p.append(f"tau={self.tau!r}: must be > 0")
         return p
 
