@@ -375,7 +375,8 @@ def _validate_sections(cfg: CoreConfig, p: list[str]) -> None:
     from fedjax_rcl import registry
 
     model = registry.MODELS.get(cfg.model)
-    ctx = registry.CheckContext(cfg.model, model.num_levels if model else None)
+    ctx = registry.CheckContext(cfg.model, model.num_levels if model else None,
+                                model.num_blocks if model else None, cfg.algorithm)
     sections = [(f.name, getattr(cfg, f.name)) for f in dataclasses.fields(cfg)
                 if f.name not in ("server", "distributed")
                 and dataclasses.is_dataclass(getattr(cfg, f.name))]

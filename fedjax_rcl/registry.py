@@ -52,10 +52,16 @@ class CheckContext(NamedTuple):
     Attributes:
       model: the configured model name.
       num_levels: how many feature levels that model returns (None: unknown model).
+      num_blocks: how many blocks it can be entered after (``ModelEntry.num_blocks``; None:
+        unknown model).
+      algorithm: the configured algorithm (every section is checked, the active one or not:
+        a check about the model's abilities applies only when its algorithm runs).
     """
 
     model: str
     num_levels: int | None
+    num_blocks: int | None = None
+    algorithm: str | None = None
 
 
 def _no_kwargs(settings) -> dict:
@@ -99,6 +105,10 @@ class ModelEntry:
       width: whether ``width=`` applies (a ResNet's first-stage channels).
       one_client_at_a_time_on_cpu: ``clients_in_parallel=0`` trains one client after another on
         a CPU (large convolutional models: batching clients buys nothing there).
+      num_blocks: the blocks the model is cut into for FedMLB's hybrid paths: its
+        ``ModelOutput.blocks`` has this many activations and ``__call__(h, train=..., start=k)``
+        runs the model from block ``k`` on ``h = blocks[k - 1]``; 0: the model cannot be entered
+        in the middle (``algorithm=fedmlb`` refuses it).
     """
 
     name: str
@@ -107,6 +117,7 @@ class ModelEntry:
     norms: tuple[str, ...] = ("group",)
     width: bool = False
     one_client_at_a_time_on_cpu: bool = False
+    num_blocks: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -176,11 +187,11 @@ def register_algorithm(name: str, build: Callable, *, config: type | None = None
 
 def register_model(name: str, build: Callable, *, num_levels: int,
                    norms: tuple[str, ...] = ("group",), width: bool = False,
-                   one_client_at_a_time_on_cpu: bool = False,
+                   one_client_at_a_time_on_cpu: bool = False, num_blocks: int = 0,
                    replace: bool = False) -> ModelEntry:
     """Makes ``model=name`` available (see ``ModelEntry`` for the arguments)."""
     entry = ModelEntry(name, build, num_levels, tuple(norms), width,
-                       one_client_at_a_time_on_cpu)
+                       one_client_at_a_time_on_cpu, num_blocks)
     _add(MODELS, entry, "model", replace)
     return entry
 

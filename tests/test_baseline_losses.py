@@ -11,6 +11,7 @@ from fedjax_rcl.losses.baselines import (
     class_prototypes,
     decorrelation_loss,
     feature_hint_loss,
+    hybrid_path_losses,
     logit_calibrated_cross_entropy,
     not_true_distillation,
     prototype_contrastive_loss,
@@ -53,13 +54,31 @@ def ref_decorr(x):
     z = np.empty_like(x)
     for a in range(c):
         col = x[:, a] - x[:, a].mean()
-        z[:, a] = col / np.sqrt(1e-5 + np.sum(col**2) / (n - 1))
+        z[:, a] = col / np.sqrt(1e-8 + np.sum(col**2) / (n - 1))
     total = 0.0
     for a in range(c):
         for b in range(c):
             if a != b:
                 total += sum(z[i, a] * z[i, b] for i in range(n)) ** 2
     return total / (c * (c - 1)) / n
+
+
+def ref_mlb(z, hyb, y, tau):
+    """(mean over pathways of CE, mean over pathways of KL(p_hybrid || p_main)), loops."""
+    def softmax(v):
+        e = np.exp(v - v.max())
+        return e / e.sum()
+
+    ces, kls = [], []
+    for zm in hyb:
+        ce = kl = 0.0
+        for i in range(len(y)):
+            ce += -np.log(softmax(zm[i])[y[i]])
+            p, q = softmax(zm[i] / tau), softmax(z[i] / tau)
+            kl += sum(p[c] * np.log(p[c] / q[c]) for c in range(len(p)))
+        ces.append(ce / len(y))
+        kls.append(kl / len(y))
+    return np.mean(ces), np.mean(kls)
 
 
 def ref_hint(fs, gs):
@@ -210,6 +229,52 @@ def test_prototype_loss_without_prototypes_is_zero_with_finite_gradient():
                                               jnp.zeros(3, bool))
     assert float(fn(jnp.asarray(f))) == 0.0
     assert np.all(np.asarray(jax.grad(fn)(jnp.asarray(f))) == 0)
+
+
+def test_prototype_loss_with_a_zero_feature_row_has_a_finite_gradient():
+    rng = np.random.default_rng(11)
+    f, y = rng.normal(size=(4, 3)), np.array([0, 1, 1, 2])
+    f[2] = 0.0  # e.g. a sample whose pre-ReLU features are all zero
+    protos, present = rng.normal(size=(3, 3)), np.array([True, True, True])
+    fn = lambda v: prototype_contrastive_loss(v, jnp.asarray(y), jnp.asarray(protos),
+                                              jnp.asarray(present))
+    np.testing.assert_allclose(float(fn(jnp.asarray(f))), ref_proto(f, y, protos, present, 0.5),
+                               rtol=1e-10)
+    assert np.all(np.isfinite(np.asarray(jax.grad(fn)(jnp.asarray(f)))))
+
+
+# ---- FedMLB ----
+
+@pytest.mark.parametrize("seed,m,tau", [(0, 3, 1.0), (1, 1, 2.0), (2, 5, 0.5)])
+def test_hybrid_path_losses_values_and_gradients(seed, m, tau):
+    rng = np.random.default_rng(seed)
+    z, y = rng.normal(size=(5, 4)), rng.integers(0, 3, 5)  # class 3 absent from the batch
+    hyb = [rng.normal(size=(5, 4)) for _ in range(m)]
+    for term in range(2):
+        # w.r.t. the main pathway's logits
+        fn = lambda v, t=term: hybrid_path_losses(v, [jnp.asarray(h) for h in hyb],
+                                                  jnp.asarray(y), tau=tau)[t]
+        _check(fn, lambda v, t=term: ref_mlb(v, hyb, y, tau)[t], z)
+
+        # w.r.t. the last hybrid pathway's logits (the gradient flows into both sides)
+        def fn_h(v, t=term):
+            hs = [jnp.asarray(h) for h in hyb[:-1]] + [v]
+            return hybrid_path_losses(jnp.asarray(z), hs, jnp.asarray(y), tau=tau)[t]
+
+        _check(fn_h, lambda v, t=term: ref_mlb(z, hyb[:-1] + [v], y, tau)[t], hyb[-1])
+
+
+def test_hybrid_path_losses_edge_cases():
+    rng = np.random.default_rng(12)
+    z, y = rng.normal(size=(4, 3)), np.zeros(4, int)  # a batch of one class
+    ce, kl = hybrid_path_losses(jnp.asarray(z), [jnp.asarray(z)] * 2, jnp.asarray(y))
+    assert float(kl) == pytest.approx(0.0, abs=1e-12)  # a pathway equal to the main one
+    np.testing.assert_allclose(float(ce), ref_mlb(z, [z], y, 1.0)[0], rtol=1e-12)
+    big = jnp.asarray(z * 1e3)  # saturated softmaxes stay finite
+    g = jax.grad(lambda v: sum(hybrid_path_losses(v, [big[::-1]], jnp.asarray(y))))(big)
+    assert np.all(np.isfinite(np.asarray(g)))
+    with pytest.raises(ValueError, match="at least one hybrid pathway"):
+        hybrid_path_losses(jnp.asarray(z), [], jnp.asarray(y))
 
 
 def test_class_prototypes_sum_over_batches_to_the_class_means():

@@ -52,7 +52,7 @@ def probe(run_dir: str, images: int) -> dict:
     pick = np.sort(np.random.default_rng(0).permutation(len(ds.test_labels))[:images])
     x = normalize(ds.test_images[pick], ds.mean, ds.std)
     y = np.asarray(ds.test_labels[pick])
-    apply = jax.jit(lambda p, s, x: exp.model.apply(p, s, x, train=False)[0])
+    apply = jax.jit(lambda p, s, x: exp.model.apply(p, s, x, train=False)[0]._replace(blocks=()))
     outs = [apply(state.params, state.model_state, x[i:i + 250])
             for i in range(0, len(x), 250)]
     levels = [np.concatenate([np.asarray(o.features[k]) for o in outs])

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 
-from fedjax_rcl.losses.contrastive import pool_features
+from fedjax_rcl.losses.contrastive import l2_normalize, pool_features
 
 
 def logit_calibrated_cross_entropy(logits: jax.Array, labels: jax.Array,
@@ -75,19 +75,20 @@ def not_true_distillation(logits: jax.Array, global_logits: jax.Array, labels: j
     return tau**2 * jnp.mean(kl)
 
 
-def decorrelation_loss(features: jax.Array) -> jax.Array:
+def decorrelation_loss(features: jax.Array, *, eps: float = 1e-8) -> jax.Array:
     """FedDecorr's regulariser: squared correlations between representation dimensions.
 
     Shi, Liang, Zhang, Tan, Bai, "Towards Understanding and Mitigating Dimensional Collapse in
     Heterogeneous Federated Learning", ICLR 2023 (arXiv 2210.00226).
 
     .. math::
-        Z_{:,a} = \\frac{X_{:,a} - \\bar X_{:,a}}{\\sqrt{10^{-5} + \\operatorname{var}(X_{:,a})}},
+        Z_{:,a} = \\frac{X_{:,a} - \\bar X_{:,a}}{\\sqrt{\\epsilon + \\operatorname{var}(X_{:,a})}},
         \\quad K = Z^\\top Z, \\quad
         \\ell = \\frac{1}{N}\\operatorname{mean}_{a \\ne b} K_{ab}^2
 
-    with the unbiased variance over the batch of ``N`` (as the authors' code); 0 when
-    ``N = 1``. ``features`` ``[N, C]`` (4-D inputs are pooled by spatial mean).
+    with the unbiased variance over the batch of ``N`` and ``eps = 1e-8`` (as the authors'
+    code, github.com/Yujun-Shi/FedCLS); 0 when ``N = 1``. ``features`` ``[N, C]`` (4-D
+    inputs are pooled by spatial mean).
     """
     x = pool_features(features)
     n, c = x.shape
@@ -95,7 +96,7 @@ def decorrelation_loss(features: jax.Array) -> jax.Array:
         return jnp.zeros((), x.dtype)
     x = x - jnp.mean(x, axis=0, keepdims=True)
     var = jnp.sum(x * x, axis=0, keepdims=True) / (n - 1)
-    z = x / jnp.sqrt(1e-5 + var)
+    z = x / jnp.sqrt(eps + var)
     k = z.T @ z
     off = k * (1.0 - jnp.eye(c, dtype=k.dtype))
     return jnp.sum(off * off) / (c * (c - 1)) / n
@@ -120,11 +121,6 @@ def feature_hint_loss(features: Sequence[jax.Array],
     return jnp.mean(jnp.stack(terms))
 
 
-def _normalize(x: jax.Array) -> jax.Array:
-    norm = jnp.sqrt(jnp.sum(x * x, axis=-1, keepdims=True))
-    return x / jnp.maximum(norm, 1e-12)
-
-
 def prototype_contrastive_loss(features: jax.Array, labels: jax.Array, prototypes: jax.Array,
                                present: jax.Array, *, temperature: float = 0.5) -> jax.Array:
     """FedProc's prototypical contrastive loss against global class prototypes.
@@ -145,8 +141,8 @@ def prototype_contrastive_loss(features: jax.Array, labels: jax.Array, prototype
       present: ``[K]`` bool (or 0/1): which classes have a prototype.
       temperature: ``t``.
     """
-    f = _normalize(pool_features(features))
-    c = _normalize(jax.lax.stop_gradient(prototypes).astype(f.dtype))
+    f = l2_normalize(pool_features(features))
+    c = l2_normalize(jax.lax.stop_gradient(prototypes).astype(f.dtype))
     present = jnp.asarray(present).astype(bool)
     s = (f @ c.T) / temperature
     log_p = jax.nn.log_softmax(jnp.where(present[None, :], s, -jnp.inf), axis=-1)
@@ -171,3 +167,44 @@ def prototypes_from_sums(sums: jax.Array, counts: jax.Array) -> tuple[jax.Array,
     present = counts > 0
     protos = sums / jnp.where(present, counts, 1.0)[:, None]
     return jnp.where(present[:, None], protos, 0.0), present
+
+
+def hybrid_path_losses(logits: jax.Array, hybrid_logits: Sequence[jax.Array], labels: jax.Array,
+                       *, tau: float = 1.0) -> tuple[jax.Array, jax.Array]:
+    """FedMLB's two regularisers over its hybrid pathways: their cross-entropy and their
+    distillation into the main pathway, each averaged over the ``M`` pathways.
+
+    Kim, Kim, Han, "Multi-Level Branched Regularization for Federated Learning", ICML 2022
+    (arXiv 2207.06936).
+
+    .. math::
+        \\ell_{CE} = \\frac{1}{M}\\sum_m \\frac{1}{B}\\sum_i -\\log
+          \\operatorname{softmax}(z^{(m)}_i)_{y_i}, \\qquad
+        \\ell_{KL} = \\frac{1}{M}\\sum_m \\frac{1}{B}\\sum_i
+          \\mathrm{KL}\\big(\\operatorname{softmax}(z^{(m)}_i/\\tau) \\,\\|\\,
+          \\operatorname{softmax}(z_i/\\tau)\\big)
+
+    ``z`` the main pathway's logits, ``z^(m)`` pathway ``m``'s (the local blocks up to ``m``,
+    the global model's after). As the authors' code, the gradient flows through both sides of
+    the KL (the hybrid pathway is not a fixed teacher) and there is no ``tau^2`` factor.
+
+    Args:
+      logits: ``[B, K]``, the main pathway.
+      hybrid_logits: ``M >= 1`` arrays ``[B, K]``.
+      labels: ``int [B]``.
+      tau: the distillation temperature.
+
+    Returns:
+      ``(l_CE, l_KL)``, scalars.
+    """
+    if not hybrid_logits:
+        raise ValueError("hybrid_path_losses: needs at least one hybrid pathway")
+    labels = labels.astype(jnp.int32)[:, None]
+    log_q = jax.nn.log_softmax(logits / tau, axis=-1)
+    ces, kls = [], []
+    for z in hybrid_logits:
+        ces.append(-jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(z, axis=-1), labels,
+                                                 axis=-1)))
+        log_p = jax.nn.log_softmax(z / tau, axis=-1)
+        kls.append(jnp.mean(jnp.sum(jnp.exp(log_p) * (log_p - log_q), axis=-1)))
+    return jnp.mean(jnp.stack(ces)), jnp.mean(jnp.stack(kls))

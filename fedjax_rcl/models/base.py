@@ -25,12 +25,18 @@ class ModelOutput(NamedTuple):
       embedding: ``[B, D]``, the representation the classifier reads (after the last ReLU and the
         global pool).
       projection: ``[B, P]`` from the projection head (MOON), or None when the model has none.
+      blocks: the activations after each block the model is cut into (post-ReLU, unpooled),
+        where FedMLB grafts the global model's remaining blocks (``ModelFns.apply_from``);
+        ``()`` for a model that cannot be entered in the middle.
+
+    A model entered after block ``k`` (``start=k``) returns only the levels and blocks it ran.
     """
 
     logits: jax.Array
     features: tuple[jax.Array, ...]
     embedding: jax.Array
     projection: jax.Array | None = None
+    blocks: tuple[jax.Array, ...] = ()
 
 
 def spatial_mean(x: jax.Array) -> jax.Array:
@@ -59,11 +65,16 @@ class ModelFns:
       apply: ``(params, model_state, images, *, train) -> (ModelOutput, new_model_state)``;
         ``new_model_state`` is the input state unless ``train`` updates BatchNorm statistics.
       module: the underlying Flax module.
+      apply_from: ``(params, model_state, h, *, start) -> ModelOutput``: the model in
+        evaluation mode from block ``start`` on, ``h`` being ``ModelOutput.blocks[start - 1]``
+        of some forward pass (FedMLB's hybrid paths); for modules whose ``__call__`` takes
+        ``start`` (``registry.ModelEntry.num_blocks > 0``).
     """
 
     init: Callable[..., tuple[Any, ModelState]]
     apply: Callable[..., tuple[ModelOutput, ModelState]]
     module: nn.Module
+    apply_from: Callable[..., ModelOutput] | None = None
 
 
 def model_fns(module: nn.Module) -> ModelFns:
@@ -85,4 +96,7 @@ def model_fns(module: nn.Module) -> ModelFns:
             return out, {**model_state, **updates}
         return module.apply(variables, images, train=train), model_state
 
-    return ModelFns(init=init, apply=apply, module=module)
+    def apply_from(params, model_state, h, *, start: int):
+        return module.apply({"params": params, **model_state}, h, train=False, start=start)
+
+    return ModelFns(init=init, apply=apply, module=module, apply_from=apply_from)

@@ -30,23 +30,32 @@ class SmallCNN(nn.Module):
     projection_dim: int | None = None
 
     @nn.compact
-    def __call__(self, x: jax.Array, *, train: bool = True) -> ModelOutput:
+    def __call__(self, x: jax.Array, *, train: bool = True, start: int = 0) -> ModelOutput:
+        """Images ``[B, 32, 32, C]`` to a ``ModelOutput``; ``start=k >= 1`` enters after block
+        ``k - 1`` (blocks: conv1+pool, conv2+pool, fc1, fc2) on its activation
+        ``ModelOutput.blocks[k - 1]`` (FedMLB's hybrid paths). ``start`` is static."""
         del train  # no train/test difference in this model
-        levels = []
+        levels, blocks = [], []
         for i, width in enumerate((6, 16)):
+            if i < start:
+                continue
             x = torch_conv(x.shape[-1], width, 5, conv_impl=self.conv_impl, name=f"conv{i + 1}")(x)
             levels.append(x)
             x = max_pool(nn.relu(x), 2)
+            blocks.append(x)
         x = x.reshape(x.shape[0], -1)
         for i, width in enumerate((120, 84)):
+            if i + 2 < start:
+                continue
             x = torch_dense(x.shape[-1], width, name=f"fc{i + 1}")(x)
             levels.append(x)
             x = nn.relu(x)
+            blocks.append(x)
         logits = torch_dense(x.shape[-1], self.num_classes, name="head")(x)
         z = None
         if self.projection_dim:
             z = ProjectionHead(self.projection_dim, name="projection")(x)
-        return ModelOutput(logits, tuple(spatial_mean(f) for f in levels), x, z)
+        return ModelOutput(logits, tuple(spatial_mean(f) for f in levels), x, z, tuple(blocks))
 
 
 def _build(num_classes, *, conv_impl="auto", norm="group", width=None, projection_dim=None):
@@ -56,5 +65,6 @@ def _build(num_classes, *, conv_impl="auto", norm="group", width=None, projectio
     return SmallCNN(num_classes, conv_impl=conv_impl, projection_dim=projection_dim)
 
 
-# Levels: the two conv outputs and the two hidden dense outputs, pre-ReLU.
-register_model("cnn", _build, num_levels=4, norms=("group",))
+# Levels: the two conv outputs and the two hidden dense outputs, pre-ReLU. Blocks (FedMLB):
+# conv1+pool, conv2+pool, fc1, fc2.
+register_model("cnn", _build, num_levels=4, norms=("group",), num_blocks=4)

@@ -69,25 +69,38 @@ class ResNet(nn.Module):
     projection_dim: int | None = None
 
     @nn.compact
-    def __call__(self, x: jax.Array, *, train: bool = True) -> ModelOutput:
-        x = torch_conv(x.shape[-1], self.widths[0], 3, padding=1, use_bias=False,
-                       conv_impl=self.conv_impl, name="stem_conv")(x)
-        x = Norm(self.norm, name="stem_norm")(x, train=train)
-        levels = [x]
-        x = nn.relu(x)
-        for s, (blocks, width) in enumerate(zip(self.stage_sizes, self.widths, strict=True)):
-            for b in range(blocks):
+    def __call__(self, x: jax.Array, *, train: bool = True, start: int = 0) -> ModelOutput:
+        """Images ``[B, H, W, C]`` to a ``ModelOutput``.
+
+        ``start=k >= 1`` enters after block ``k - 1`` (blocks: the stem, then each stage), ``x``
+        being that block's activation ``ModelOutput.blocks[k - 1]``: FedMLB's hybrid paths run
+        the global model's blocks ``k ..`` on a local model's activation. ``start`` is static.
+        """
+        levels, blocks = [], []
+        if start == 0:
+            x = torch_conv(x.shape[-1], self.widths[0], 3, padding=1, use_bias=False,
+                           conv_impl=self.conv_impl, name="stem_conv")(x)
+            x = Norm(self.norm, name="stem_norm")(x, train=train)
+            levels.append(x)
+            x = nn.relu(x)
+            blocks.append(x)
+        for s, (n_blocks, width) in enumerate(zip(self.stage_sizes, self.widths, strict=True)):
+            if s + 1 < start:  # stage s is block s + 1
+                continue
+            for b in range(n_blocks):
                 stride = 2 if (s > 0 and b == 0) else 1
                 x = BasicBlock(width, stride, self.norm, self.conv_impl,
                                name=f"stage{s + 1}_block{b + 1}")(x, train=train)
-                if b == blocks - 1:
+                if b == n_blocks - 1:
                     levels.append(x)
                 x = nn.relu(x)
+            blocks.append(x)
         embedding = x.mean(axis=(1, 2))
         logits = torch_dense(embedding.shape[-1], self.num_classes, name="head")(embedding)
         z = (ProjectionHead(self.projection_dim, name="projection")(embedding)
              if self.projection_dim else None)
-        return ModelOutput(logits, tuple(spatial_mean(f) for f in levels), embedding, z)
+        return ModelOutput(logits, tuple(spatial_mean(f) for f in levels), embedding, z,
+                           tuple(blocks))
 
 
 def stage_widths(width: int) -> tuple[int, ...]:
@@ -117,6 +130,7 @@ def _builder(make):
 
 
 for _name, _make in (("resnet10", resnet10), ("resnet18", resnet18), ("resnet34", resnet34)):
-    # Levels: the stem's normalised output and each stage's output (SPEC §4).
+    # Levels: the stem's normalised output and each stage's output (SPEC §4). Blocks (FedMLB):
+    # the stem and the four stages, as the FedMLB authors cut ResNet-18.
     register_model(_name, _builder(_make), num_levels=5, norms=("group", "batch", "twin"),
-                   width=True, one_client_at_a_time_on_cpu=True)
+                   width=True, one_client_at_a_time_on_cpu=True, num_blocks=5)
