@@ -1,5 +1,6 @@
 """The compiled round: vmapped clients equal a per-client loop; one compile per run."""
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -116,3 +117,31 @@ def test_learning_rate_schedule_decays_per_round_and_epoch(toy):
     assert float(lr(jnp.int32(0), jnp.int32(0))) == pytest.approx(0.1)
     assert float(lr(jnp.int32(2), jnp.int32(1))) == pytest.approx(0.1 * 0.5**3)
 
+
+
+def test_dropout_gets_its_key_from_the_engine(toy):
+    """A model with dropout trains inside the compiled round (the engine passes the "dropout"
+    key every local step): the round is reproducible, and it differs from the same model with
+    its dropout rates at 0 (same initialisation), so the masks are really applied."""
+    from fedjax_rcl import registry
+    from fedjax_rcl.models.pfl_cnn import PflCNN
+
+    registry.register_model(
+        "test_pfl_cnn_no_dropout",
+        lambda n, conv_impl="auto", **_: PflCNN(n, conv_impl=conv_impl, dropout=(0.0, 0.0)),
+        num_levels=3)
+    try:
+        runs, inits = {}, {}
+        for name in ("pfl_cnn", "test_pfl_cnn_no_dropout"):
+            exp = build(_cfg(model=name, algorithm="fedavg", rounds=1), toy)
+            step = jax.jit(exp.run_round)
+            inits[name] = exp.state.params
+            runs[name] = [step(exp.state, exp.data)[0].params for _ in range(2)]
+    finally:
+        registry.MODELS.pop("test_pfl_cnn_no_dropout")
+    chex.assert_trees_all_equal(inits["pfl_cnn"], inits["test_pfl_cnn_no_dropout"])
+    with_dropout, without = runs["pfl_cnn"], runs["test_pfl_cnn_no_dropout"]
+    chex.assert_trees_all_equal(with_dropout[0], with_dropout[1])
+    diff = max(float(jnp.abs(a - b).max()) for a, b in zip(
+        jax.tree.leaves(with_dropout[0]), jax.tree.leaves(without[0]), strict=True))
+    assert diff > 1e-4

@@ -17,6 +17,7 @@ from fedjax_rcl.models import get_model, model_fns
 # Each model's blocks, in order, as the top-level parameter names they own.
 BLOCKS = {
     "cnn": [["conv1"], ["conv2"], ["fc1"], ["fc2"]],
+    "pfl_cnn": [["conv1"], ["conv2"], ["fc1"]],
     "resnet10": [["stem_conv", "stem_norm"]] + [[f"stage{s}_block1"] for s in (1, 2, 3, 4)],
     "resnet18": [["stem_conv", "stem_norm"]]
     + [[f"stage{s}_block1", f"stage{s}_block2"] for s in (1, 2, 3, 4)],
@@ -30,7 +31,7 @@ def _splice(local, glob, name, m):
 
 
 def _setup(name, size):
-    kw = {} if name == "cnn" else {"width": 4}
+    kw = {"width": 4} if name.startswith("resnet") else {}
     model = model_fns(get_model(name, num_classes=5, conv_impl="patches", **kw))
     rng = np.random.default_rng(0)
     images = jnp.asarray(rng.normal(size=(6, size, size, 3)), jnp.float32)
@@ -40,7 +41,8 @@ def _setup(name, size):
     return model, Batch(images, labels), local, glob, ms
 
 
-@pytest.mark.parametrize("name,size", [("cnn", 32), ("resnet10", 8), ("resnet18", 8)])
+@pytest.mark.parametrize("name,size", [("cnn", 32), ("pfl_cnn", 16), ("resnet10", 8),
+                                       ("resnet18", 8)])
 def test_entering_after_each_block_reproduces_the_forward_pass(name, size):
     model, batch, local, _, ms = _setup(name, size)
     out, _ = model.apply(local, ms, batch.images, train=False)

@@ -39,6 +39,27 @@ def test_cnn_matches_moon_structure():
     assert [f.shape for f in out.features] == [(2, 6), (2, 16), (2, 120), (2, 84)]
 
 
+def test_pfl_cnn_matches_pfl_researchs_structure():
+    model, params, x = _init("pfl_cnn")
+    # pfl-research's CIFAR-10 CNN, by hand: conv 3*32*9 + 32, conv 32*64*9 + 64,
+    # dense (14*14*64)*128 + 128 (valid convs 32 -> 30 -> 28, pool -> 14), dense 128*10 + 10.
+    assert sum(p.size for p in jax.tree.leaves(params)) == (
+        (3 * 32 * 9 + 32) + (32 * 64 * 9 + 64) + (14 * 14 * 64 * 128 + 128) + (128 * 10 + 10)
+    ) == 1_626_442
+    out = model.apply({"params": params}, x, train=False)
+    assert out.logits.shape == (2, 10)
+    assert [f.shape for f in out.features] == [(2, 32), (2, 64), (2, 128)]
+    assert [b.shape for b in out.blocks] == [(2, 30, 30, 32), (2, 14, 14, 64), (2, 128)]
+    # Dropout: off in evaluation, drawn from the "dropout" key in training.
+    again = model.apply({"params": params}, x, train=False)
+    np.testing.assert_array_equal(np.asarray(out.logits), np.asarray(again.logits))
+    a, b = (model.apply({"params": params}, x, train=True,
+                        rngs={"dropout": jax.random.PRNGKey(k)}).logits for k in (1, 2))
+    assert float(jnp.abs(a - b).max()) > 0
+    with pytest.raises(Exception, match="dropout"):
+        model.apply({"params": params}, x, train=True)
+
+
 def test_levels_are_pre_relu():
     """Pre-ReLU features can be negative; post-ReLU could not."""
     model, params, x = _init("resnet18", shape=(4, 32, 32, 3))

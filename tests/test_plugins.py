@@ -21,6 +21,11 @@ def _readme_example() -> str:
     return re.search(r"```python\n(.*?)```", section, re.S).group(1)
 
 
+def _readme_model_example() -> str:
+    section = README.read_text().split("### Your own model", 1)[1]
+    return re.search(r"```python\n(.*?)```", section, re.S).group(1)
+
+
 def test_readme_example_is_short():
     assert len(_readme_example().strip().splitlines()) < 40
 
@@ -53,6 +58,30 @@ def test_custom_algorithm_trains_resumes_and_evaluates(user_dir, capsys):
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["round"] for r in rows] == [1, 2, 3, 4]
     assert all(r["smoothed_ce"] > 0 for r in rows)
+    capsys.readouterr()
+    assert main(["eval", str(run)]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["round"] == 4
+
+
+def test_readme_model_with_dropout_trains_resumes_and_evaluates(tmp_path, monkeypatch,
+                                                                capsys):
+    """The README's own model (an MLP with dropout, whose key the engine supplies) under the
+    default algorithm (FedRCL on its one level), from the command line."""
+    assert len(_readme_model_example().strip().splitlines()) < 40
+    (tmp_path / "my_models.py").write_text(_readme_model_example())
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    run = tmp_path / "run"
+    status = main(["train", "plugins=[my_models]", "model=mlp", "rounds=2", f"run_dir={run}",
+                   *ARGS])
+    assert status == 0, capsys.readouterr().err
+    proc = subprocess.run([sys.executable, "-m", "fedjax_rcl", "resume", str(run), "rounds=4",
+                           "--no-progress"], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in rows] == [1, 2, 3, 4]
+    assert rows[-1]["test_accuracy"] > 0.3  # digits, 10 classes: it learns
     capsys.readouterr()
     assert main(["eval", str(run)]) == 0
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["round"] == 4

@@ -72,8 +72,8 @@ class FedMLBConfig:
             p.append(f"tau={self.tau!r}: must be > 0")
         if ctx.algorithm == "fedmlb" and ctx.num_blocks == 0:
             p.append(f"model={ctx.model} cannot be entered after a block, which FedMLB's "
-                     "hybrid pathways need (register it with num_blocks > 0; built in: cnn, "
-                     "resnet10, resnet18, resnet34)")
+                     "hybrid pathways need (register it with num_blocks > 0; built in: "
+                     "cnn, pfl_cnn, resnet10, resnet18, resnet34)")
         return p
 
 

@@ -88,6 +88,9 @@ class LocalTraining:
         return self.local_epochs * self.steps_per_epoch
 
 
+_MODEL_STREAM = 0x6D6F64  # fold_in data of the model's dropout key within a step's key
+
+
 def epoch_permutations(key: PRNGKey, size: jax.Array, max_size: int, epochs: int) -> jax.Array:
     """``[epochs, max_size]`` positions; each row's first ``size`` entries permute ``0..size-1``."""
 
@@ -135,8 +138,9 @@ def make_local_update(model: ModelFns, algorithm: ClientAlgorithm,
     """
     s = settings
 
-    def loss_fn(params, model_state, batch, ctx):
-        out, model_state = model.apply(params, model_state, batch.images, train=True)
+    def loss_fn(params, model_state, batch, ctx, model_key):
+        out, model_state = model.apply(params, model_state, batch.images, train=True,
+                                       rng=model_key)
         loss, terms = algorithm.objective(out, params, batch, ctx)
         if penalty is not None:
             extra = penalty(params, ctx.global_params)
@@ -167,7 +171,11 @@ def make_local_update(model: ModelFns, algorithm: ClientAlgorithm,
             pos = (b * s.batch_size + jnp.arange(s.batch_size)) % size
             idx = indices[perms[jnp.minimum(epoch, s.local_epochs - 1), pos]]
             images, labels = data.images[idx], data.labels[idx]
-            k_aug, k_loss = jax.random.split(jax.random.fold_in(step_root, t))
+            k_step = jax.random.fold_in(step_root, t)
+            k_aug, k_loss = jax.random.split(k_step)
+            # The model's own randomness (dropout): a stream of its own, so that adding it left
+            # the augmentation and objective keys (and so earlier runs' results) unchanged.
+            k_model = jax.random.fold_in(k_step, _MODEL_STREAM)
             views = [
                 augment_batch(jax.random.fold_in(k_aug, v), images, mean=s.mean, std=s.std,
                               max_degrees=s.max_degrees if s.augment else 0.0,
@@ -179,7 +187,7 @@ def make_local_update(model: ModelFns, algorithm: ClientAlgorithm,
             ctx = LocalContext(global_params, global_model_state, client_state, k_loss, counts,
                                message)
             (loss, (terms, new_model_state, report)), grads = grad_fn(
-                params, model_state, batch, ctx)
+                params, model_state, batch, ctx, k_model)
             opt_state.hyperparams["learning_rate"] = s.lr_fn(round_index, epoch)
             updates, new_opt_state = optimizer.update(grads, opt_state, params)
             new = (optax.apply_updates(params, updates), new_model_state, new_opt_state)

@@ -14,6 +14,7 @@ from fedjax_rcl.models.base import (
     spatial_mean,
 )
 from fedjax_rcl.models.cnn import SmallCNN
+from fedjax_rcl.models.pfl_cnn import PflCNN
 from fedjax_rcl.models.resnet import BasicBlock, ResNet, resnet10, resnet18, resnet34
 
 
@@ -22,7 +23,7 @@ def get_model(name: str, *, num_classes: int, conv_impl: str = "auto", norm: str
     """Builds a registered model (``fedjax_rcl.registry``) by its config name.
 
     Args:
-      name: a registered model (built in: cnn, resnet10, resnet18, resnet34).
+      name: a registered model (built in: cnn, pfl_cnn, resnet10, resnet18, resnet34).
       num_classes: size of the classifier output.
       conv_impl: ``"auto" | "cpu" | "patches" | "rows" | "native"`` (see ``fedjax_rcl.nn.conv``).
       norm: normalization kind for models that have one (the CNN has none).
@@ -39,6 +40,7 @@ __all__ = [
     "ModelFns",
     "ModelOutput",
     "ModelState",
+    "PflCNN",
     "ProjectionHead",
     "ResNet",
     "SmallCNN",

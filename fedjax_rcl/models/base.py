@@ -62,8 +62,11 @@ class ModelFns:
 
     Attributes:
       init: ``(key, sample_images) -> (params, model_state)``.
-      apply: ``(params, model_state, images, *, train) -> (ModelOutput, new_model_state)``;
-        ``new_model_state`` is the input state unless ``train`` updates BatchNorm statistics.
+      apply: ``(params, model_state, images, *, train, rng=None) -> (ModelOutput,
+        new_model_state)``; ``new_model_state`` is the input state unless ``train`` updates
+        BatchNorm statistics. ``rng`` is the module's ``"dropout"`` stream (Flax's name for it):
+        local training passes a fresh key every step, so ``nn.Dropout(rate,
+        deterministic=not train)`` in a model just works.
       module: the underlying Flax module.
       apply_from: ``(params, model_state, h, *, start) -> ModelOutput``: the model in
         evaluation mode from block ``start`` on, ``h`` being ``ModelOutput.blocks[start - 1]``
@@ -88,13 +91,14 @@ def model_fns(module: nn.Module) -> ModelFns:
         params = variables.pop("params")
         return params, variables
 
-    def apply(params, model_state, images, *, train: bool):
+    def apply(params, model_state, images, *, train: bool, rng=None):
         variables = {"params": params, **model_state}
+        rngs = {"dropout": rng} if rng is not None else None
         if train and model_state:
-            out, updates = module.apply(variables, images, train=True,
+            out, updates = module.apply(variables, images, train=True, rngs=rngs,
                                         mutable=list(model_state))
             return out, {**model_state, **updates}
-        return module.apply(variables, images, train=train), model_state
+        return module.apply(variables, images, train=train, rngs=rngs), model_state
 
     def apply_from(params, model_state, h, *, start: int):
         return module.apply({"params": params, **model_state}, h, train=False, start=start)

@@ -1,0 +1,78 @@
+"""pfl-research's CIFAR-10 CNN (Granqvist et al., "pfl-research: simulation framework for
+accelerating research in Private Federated Learning", 2024, arXiv 2404.06430), the model of its
+CIFAR-10 benchmark (``experiments/pfl_cifar10.yaml``).
+
+conv3x3(C->32, valid) -> ReLU -> conv3x3(32->64, valid) -> ReLU -> maxpool2 -> dropout 0.25
+-> flatten -> dense 128 -> ReLU -> dropout 0.5 -> dense(num_classes); 1,626,442 parameters for
+32x32x3 inputs and 10 classes. Dropout is active when training and draws its masks from the
+``"dropout"`` key the engine passes every local step.
+Levels (pre-ReLU): the two conv outputs and the hidden dense output. Blocks (FedMLB): conv1,
+conv2 + pool, dense 128.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+
+from fedjax_rcl.models.base import ModelOutput, ProjectionHead, spatial_mean
+from fedjax_rcl.nn.conv import torch_conv, torch_dense
+from fedjax_rcl.nn.pool import max_pool
+from fedjax_rcl.registry import register_model
+
+
+class PflCNN(nn.Module):
+    """pfl-research's CIFAR-10 CNN with PyTorch-default initialisation.
+
+    Attributes:
+      num_classes: output classes.
+      conv_impl: ``"auto" | "cpu" | "patches" | "rows" | "native"`` (see ``fedjax_rcl.nn.conv``).
+      projection_dim: output size of a MOON projection head on the embedding; None: no head.
+      dropout: the two dropout rates (after the pool, after the hidden dense layer).
+    """
+
+    num_classes: int
+    conv_impl: str = "auto"
+    projection_dim: int | None = None
+    dropout: tuple[float, float] = (0.25, 0.5)
+
+    @nn.compact
+    def __call__(self, x: jax.Array, *, train: bool = True, start: int = 0) -> ModelOutput:
+        """Images ``[B, H, W, C]`` to a ``ModelOutput``; ``start=k >= 1`` enters after block
+        ``k - 1`` on its activation ``ModelOutput.blocks[k - 1]`` (FedMLB). ``start`` is
+        static."""
+        levels, blocks = [], []
+        for i, width in enumerate((32, 64)):
+            if i < start:
+                continue
+            x = torch_conv(x.shape[-1], width, 3, conv_impl=self.conv_impl, name=f"conv{i + 1}")(x)
+            levels.append(x)
+            x = nn.relu(x)
+            if i == 1:
+                x = max_pool(x, 2)
+            blocks.append(x)
+        if start <= 2:
+            x = nn.Dropout(self.dropout[0], deterministic=not train)(x)
+            x = x.reshape(x.shape[0], -1)
+            x = torch_dense(x.shape[-1], 128, name="fc1")(x)
+            levels.append(x)
+            x = nn.relu(x)
+            blocks.append(x)
+        embedding = x
+        x = nn.Dropout(self.dropout[1], deterministic=not train)(x)
+        logits = torch_dense(x.shape[-1], self.num_classes, name="head")(x)
+        z = None
+        if self.projection_dim:
+            z = ProjectionHead(self.projection_dim, name="projection")(embedding)
+        return ModelOutput(logits, tuple(spatial_mean(f) for f in levels), embedding, z,
+                           tuple(blocks))
+
+
+def _build(num_classes, *, conv_impl="auto", norm="group", width=None, projection_dim=None):
+    if width is not None:
+        raise ValueError(f"width={width}: model=pfl_cnn has a fixed width")
+    del norm  # no normalization layers; "group" is the config's default
+    return PflCNN(num_classes, conv_impl=conv_impl, projection_dim=projection_dim)
+
+
+register_model("pfl_cnn", _build, num_levels=3, norms=("group",), num_blocks=3)
