@@ -57,8 +57,8 @@ class CoreConfig:
     """
 
     seed: int = 0
-    dataset: str = "digits"  # digits | cifar10 | cifar100 | imagefolder:PATH
-    data_dir: str | None = None  # TFDS data dir for cifar10/cifar100
+    dataset: str = "digits"  # digits | cifar10 | cifar100 | tiny_imagenet | imagefolder:PATH
+    data_dir: str | None = None  # TFDS data dir (cifar10/100); tiny_imagenet's archive dir
     model: str = "cnn"  # see MODELS (cnn | resnet10 | resnet18 | resnet34)
     width: int | None = None  # ResNets: channels of the first stage (w, 2w, 4w, 8w); null: 64
     # Modules to import first: they register algorithms, models or server optimizers

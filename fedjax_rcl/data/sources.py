@@ -7,7 +7,9 @@ A spec is one of
 * ``"imagefolder:PATH"`` -- a directory or ``.zip`` laid out ``train/<class>/*`` and
   ``test/<class>/*`` (:mod:`fedjax_rcl.data.imagefolder`);
 * ``"cifar10"`` / ``"cifar100"`` -- through tensorflow-datasets without TensorFlow
-  (:mod:`fedjax_rcl.data.tfds_source`).
+  (:mod:`fedjax_rcl.data.tfds_source`);
+* ``"tiny_imagenet"`` -- the official ``tiny-imagenet-200`` archive or folder in ``data_dir``
+  (:mod:`fedjax_rcl.data.tiny_imagenet`).
 
 Every source returns an :class:`ImageDataset` (uint8 NHWC images, int32 labels, class names,
 normalisation constants). Sources that decode many files cache the decoded arrays on disk
@@ -48,7 +50,8 @@ _log = logging.getLogger(__name__)
 CACHE_FORMAT_VERSION = 1
 TFDS_NAMES = ("cifar10", "cifar100")
 _IMAGEFOLDER_PREFIX = "imagefolder:"
-_ALLOWED = "'digits', 'cifar10', 'cifar100' or 'imagefolder:PATH' (a directory or .zip)"
+_ALLOWED = ("'digits', 'cifar10', 'cifar100', 'tiny_imagenet' or 'imagefolder:PATH' (a directory "
+            "or .zip)")
 
 
 class DataError(ValueError):
@@ -204,7 +207,7 @@ def _parse_spec(spec: str) -> tuple[str, str | None]:
     """``spec`` -> ``(kind, argument)``; kind is ``digits``, a TFDS name or ``imagefolder``."""
     if not isinstance(spec, str):
         raise DataError(f"dataset spec must be a string, got {spec!r}; allowed: {_ALLOWED}")
-    if spec == "digits" or spec in TFDS_NAMES:
+    if spec in ("digits", "tiny_imagenet") or spec in TFDS_NAMES:
         return spec, None
     if spec.startswith(_IMAGEFOLDER_PREFIX):
         path = spec[len(_IMAGEFOLDER_PREFIX):]
@@ -220,9 +223,11 @@ def load_dataset(spec: str, *, data_dir: str | None = None,
     """Loads a dataset into memory.
 
     Args:
-        spec: ``"digits"``, ``"cifar10"``, ``"cifar100"`` or ``"imagefolder:PATH"``.
+        spec: ``"digits"``, ``"cifar10"``, ``"cifar100"``, ``"tiny_imagenet"`` or
+            ``"imagefolder:PATH"``.
         data_dir: TFDS data directory for ``cifar10``/``cifar100`` (None: TFDS's default,
-            ``$TFDS_DATA_DIR`` or ``~/tensorflow_datasets``); ignored by other sources.
+            ``$TFDS_DATA_DIR`` or ``~/tensorflow_datasets``); for ``tiny_imagenet`` where its
+            archive or folder is (None: TFDS's ``downloads/manual``); ignored by other sources.
         cache_dir: Where decoded arrays are cached (None: :func:`default_cache_dir`).
 
     Returns:
@@ -239,6 +244,9 @@ def load_dataset(spec: str, *, data_dir: str | None = None,
     if kind == "imagefolder":
         from fedjax_rcl.data import imagefolder
         return imagefolder.load_imagefolder(arg, cache_dir=cache_dir)
+    if kind == "tiny_imagenet":
+        from fedjax_rcl.data import tiny_imagenet
+        return tiny_imagenet.load_tiny_imagenet(data_dir, cache_dir=cache_dir)
     from fedjax_rcl.data import tfds_source
     return tfds_source.load_tfds(kind, data_dir=data_dir, cache_dir=cache_dir)
 
@@ -261,6 +269,9 @@ def check_dataset_spec(spec: str, *, data_dir: str | None = None) -> None:
     if kind == "imagefolder":
         from fedjax_rcl.data import imagefolder
         imagefolder.check_imagefolder(arg)
+    elif kind == "tiny_imagenet":
+        from fedjax_rcl.data import tiny_imagenet
+        tiny_imagenet.check_tiny_imagenet(data_dir)
     elif kind in TFDS_NAMES:
         from fedjax_rcl.data import tfds_source
         tfds_source.check_tfds(kind, data_dir=data_dir)
