@@ -41,8 +41,9 @@ def _setup(name, size):
     return model, Batch(images, labels), local, glob, ms
 
 
-@pytest.mark.parametrize("name,size", [("cnn", 32), ("pfl_cnn", 16), ("resnet10", 8),
-                                       ("resnet18", 8)])
+@pytest.mark.parametrize("name,size", [
+    ("cnn", 32), ("pfl_cnn", 16), ("resnet10", 8),
+    pytest.param("resnet18", 8, marks=pytest.mark.slow)])
 def test_entering_after_each_block_reproduces_the_forward_pass(name, size):
     model, batch, local, _, ms = _setup(name, size)
     out, _ = model.apply(local, ms, batch.images, train=False)
@@ -86,6 +87,7 @@ def test_objective_equals_spliced_models(name, size, lambda1, lambda2):
     assert set(terms) == {"ce", "hybrid_ce", "hybrid_kl"}
 
 
+@pytest.mark.slow
 def test_gradient_flows_through_the_global_blocks_into_the_local_ones():
     """d/d local of the objective = d/d local of CE(local) + mean_m CE(spliced_m(local, g)):
     every local block is trained through the frozen global blocks after it."""

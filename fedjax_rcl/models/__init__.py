@@ -14,8 +14,19 @@ from fedjax_rcl.models.base import (
     spatial_mean,
 )
 from fedjax_rcl.models.cnn import SmallCNN
+from fedjax_rcl.models.mobilenet import MobileNetV2
 from fedjax_rcl.models.pfl_cnn import PflCNN
-from fedjax_rcl.models.resnet import BasicBlock, ResNet, resnet10, resnet18, resnet34
+from fedjax_rcl.models.resnet import (
+    BasicBlock,
+    Bottleneck,
+    ResNet,
+    resnet10,
+    resnet18,
+    resnet34,
+    resnet50,
+)
+from fedjax_rcl.models.squeezenet import SqueezeNet
+from fedjax_rcl.models.vgg import VGG9
 
 
 def get_model(name: str, *, num_classes: int, conv_impl: str = "auto", norm: str = "group",
@@ -23,7 +34,8 @@ def get_model(name: str, *, num_classes: int, conv_impl: str = "auto", norm: str
     """Builds a registered model (``fedjax_rcl.registry``) by its config name.
 
     Args:
-      name: a registered model (built in: cnn, pfl_cnn, resnet10, resnet18, resnet34).
+      name: a registered model (built in: cnn, pfl_cnn, resnet10, resnet18, resnet34,
+        resnet50, vgg9, mobilenet_v2, squeezenet).
       num_classes: size of the classifier output.
       conv_impl: ``"auto" | "cpu" | "patches" | "rows" | "native"`` (see ``fedjax_rcl.nn.conv``).
       norm: normalization kind for models that have one (the CNN has none).
@@ -37,17 +49,22 @@ def get_model(name: str, *, num_classes: int, conv_impl: str = "auto", norm: str
 
 __all__ = [
     "BasicBlock",
+    "Bottleneck",
     "ModelFns",
     "ModelOutput",
+    "MobileNetV2",
     "ModelState",
     "PflCNN",
     "ProjectionHead",
     "ResNet",
     "SmallCNN",
+    "SqueezeNet",
+    "VGG9",
     "get_model",
     "model_fns",
     "resnet10",
     "resnet18",
     "resnet34",
+    "resnet50",
     "spatial_mean",
 ]

@@ -7,6 +7,9 @@ GroupNorm with 2 groups and eps 1e-5 everywhere (``norm`` may choose BatchNorm o
 convolutions padded symmetrically like PyTorch.
 11,173,962 parameters for 10 classes (same count as the reference).
 
+``resnet50`` uses ``Bottleneck`` blocks (3, 4, 6, 3; 23,520,842 parameters for 10 classes), the
+same five levels.
+
 The same structure at CPU scale: ``width`` scales every stage (``width=16``: 16/32/64/128
 channels, 1/16 of the multiply-adds) and ``resnet10`` keeps one BasicBlock per stage. Both keep
 what FedRCL's multi-level loss depends on -- a GroupNorm stem level and four residual stage
@@ -49,6 +52,33 @@ class BasicBlock(nn.Module):
         return x + y
 
 
+class Bottleneck(nn.Module):
+    """conv1x1 -> norm -> ReLU -> conv3x3 (stride) -> norm -> ReLU -> conv1x1 (x4) -> norm, plus
+    (projected) shortcut; returns pre-ReLU. ResNet-50's block (He et al. 2016), stride on the
+    3x3 convolution as torchvision's."""
+
+    features: int  # the bottleneck width; the block outputs 4 * features channels
+    stride: int = 1
+    norm: str = "group"
+    conv_impl: str = "auto"
+
+    @nn.compact
+    def __call__(self, x: jax.Array, *, train: bool) -> jax.Array:
+        cin, width, out = x.shape[-1], self.features, 4 * self.features
+        y = torch_conv(cin, width, 1, use_bias=False, conv_impl=self.conv_impl, name="conv1")(x)
+        y = nn.relu(Norm(self.norm, name="norm1")(y, train=train))
+        y = torch_conv(width, width, 3, stride=self.stride, padding=1, use_bias=False,
+                       conv_impl=self.conv_impl, name="conv2")(y)
+        y = nn.relu(Norm(self.norm, name="norm2")(y, train=train))
+        y = torch_conv(width, out, 1, use_bias=False, conv_impl=self.conv_impl, name="conv3")(y)
+        y = Norm(self.norm, name="norm3")(y, train=train)
+        if self.stride != 1 or cin != out:
+            x = torch_conv(cin, out, 1, stride=self.stride, use_bias=False,
+                           conv_impl=self.conv_impl, name="shortcut_conv")(x)
+            x = Norm(self.norm, name="shortcut_norm")(x, train=train)
+        return x + y
+
+
 class ResNet(nn.Module):
     """CIFAR-stem ResNet with BasicBlocks.
 
@@ -59,6 +89,8 @@ class ResNet(nn.Module):
       norm: normalization kind (``fedjax_rcl.nn.norm.NORMS``).
       conv_impl: ``"auto" | "cpu" | "patches" | "rows" | "native"``.
       projection_dim: output size of a MOON projection head on the embedding; None: no head.
+      bottleneck: ``Bottleneck`` blocks (ResNet-50: stage outputs ``4 x`` the widths) instead
+        of ``BasicBlock``.
     """
 
     num_classes: int
@@ -67,6 +99,7 @@ class ResNet(nn.Module):
     norm: str = "group"
     conv_impl: str = "auto"
     projection_dim: int | None = None
+    bottleneck: bool = False
 
     @nn.compact
     def __call__(self, x: jax.Array, *, train: bool = True, start: int = 0) -> ModelOutput:
@@ -89,8 +122,9 @@ class ResNet(nn.Module):
                 continue
             for b in range(n_blocks):
                 stride = 2 if (s > 0 and b == 0) else 1
-                x = BasicBlock(width, stride, self.norm, self.conv_impl,
-                               name=f"stage{s + 1}_block{b + 1}")(x, train=train)
+                block = Bottleneck if self.bottleneck else BasicBlock
+                x = block(width, stride, self.norm, self.conv_impl,
+                          name=f"stage{s + 1}_block{b + 1}")(x, train=train)
                 if b == n_blocks - 1:
                     levels.append(x)
                 x = nn.relu(x)
@@ -121,6 +155,13 @@ def resnet34(num_classes: int, *, width: int = 64, **kw) -> ResNet:
     return ResNet(num_classes, stage_sizes=(3, 4, 6, 3), widths=stage_widths(width), **kw)
 
 
+def resnet50(num_classes: int, *, width: int = 64, **kw) -> ResNet:
+    """Bottleneck blocks (3, 4, 6, 3), stage outputs 256/512/1024/2048 at width 64 (MOON's
+    backbone, with the CIFAR stem)."""
+    return ResNet(num_classes, stage_sizes=(3, 4, 6, 3), widths=stage_widths(width),
+                  bottleneck=True, **kw)
+
+
 def _builder(make):
     def build(num_classes, *, conv_impl="auto", norm="group", width=None, projection_dim=None):
         return make(num_classes, width=64 if width is None else width, norm=norm,
@@ -129,7 +170,8 @@ def _builder(make):
     return build
 
 
-for _name, _make in (("resnet10", resnet10), ("resnet18", resnet18), ("resnet34", resnet34)):
+for _name, _make in (("resnet10", resnet10), ("resnet18", resnet18), ("resnet34", resnet34),
+                     ("resnet50", resnet50)):
     # Levels: the stem's normalised output and each stage's output (SPEC §4). Blocks (FedMLB):
     # the stem and the four stages, as the FedMLB authors cut ResNet-18.
     register_model(_name, _builder(_make), num_levels=5, norms=("group", "batch", "twin"),

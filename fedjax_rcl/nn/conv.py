@@ -370,6 +370,60 @@ def _conv_fn(conv_impl: str):
     return _CONV_FNS[resolve_conv_impl(conv_impl)]
 
 
+def _nhwc_hwio(lhs, rhs, dimension_numbers) -> bool:
+    if dimension_numbers is None:
+        return False  # lax's default is NCHW x OIHW
+    dn = lax.conv_dimension_numbers(lhs.shape, rhs.shape, dimension_numbers)
+    return (tuple(dn.lhs_spec) == (0, 3, 1, 2) and tuple(dn.rhs_spec) == (3, 2, 0, 1)
+            and tuple(dn.out_spec) == (0, 3, 1, 2))
+
+
+def grouped_conv_general_dilated(lhs, rhs, window_strides, padding, lhs_dilation=None,
+                                 rhs_dilation=None, dimension_numbers=None,
+                                 feature_group_count: int = 1, batch_group_count: int = 1,
+                                 precision=None, preferred_element_type=None) -> jax.Array:
+    """Grouped NHWC x HWIO convolutions without XLA:CPU's grouped-convolution path.
+
+    * depthwise (``feature_group_count == C_in``, one input channel per group: MobileNetV2's
+      and ShuffleNet's 3x3 convolutions): a sum over the ``kh * kw`` window offsets of strided
+      slices times the per-channel tap,
+      ``y[b,i,j,c] = sum_{u,v} x_pad[b, s i + u, s j + v, c] w[u, v, 0, c]``, which is
+      elementwise work the CPU vectorises (and differentiates) well;
+    * pointwise (1x1) with ``g`` groups: ``g`` matmuls batched in one ``einsum``;
+    * anything else: ``lax.conv_general_dilated`` (correct everywhere).
+
+    Same arguments and result as ``lax.conv_general_dilated`` (checked to 1e-5 in tests).
+    """
+    g = feature_group_count
+    plain = (batch_group_count == 1 and _nhwc_hwio(lhs, rhs, dimension_numbers)
+             and all(d == 1 for d in (lhs_dilation or (1, 1)))
+             and all(d == 1 for d in (rhs_dilation or (1, 1))))
+    kh, kw, cin_g, cout = rhs.shape
+    if plain and g > 1 and cin_g == 1 and cout == lhs.shape[-1] == g:
+        if isinstance(padding, str):
+            padding = lax.padtype_to_pads(lhs.shape[1:3], (kh, kw), tuple(window_strides),
+                                          padding)
+        (t, b), (left, r) = padding
+        x = jnp.pad(lhs, ((0, 0), (t, b), (left, r), (0, 0)))
+        sh, sw = window_strides
+        ho = (x.shape[1] - kh) // sh + 1
+        wo = (x.shape[2] - kw) // sw + 1
+        taps = [x[:, u:u + sh * (ho - 1) + 1:sh, v:v + sw * (wo - 1) + 1:sw, :] * rhs[u, v, 0]
+                for u in range(kh) for v in range(kw)]
+        return sum(taps[1:], taps[0])
+    if (plain and g > 1 and kh == kw == 1 and tuple(window_strides) == (1, 1)
+            and (isinstance(padding, str) or all(p == (0, 0) for p in padding))):
+        bsz, h, w, cin = lhs.shape
+        x = lhs.reshape(bsz, h, w, g, cin // g)
+        k = rhs.reshape(cin_g, g, cout // g)
+        y = jnp.einsum("bhwgi,igo->bhwgo", x, k, precision=precision,
+                       preferred_element_type=preferred_element_type)
+        return y.reshape(bsz, h, w, cout)
+    return lax.conv_general_dilated(lhs, rhs, window_strides, padding, lhs_dilation,
+                                    rhs_dilation, dimension_numbers, g, batch_group_count,
+                                    precision, preferred_element_type)
+
+
 # PyTorch's default for Conv2d/Linear weights: kaiming_uniform(a=sqrt(5)), i.e. U(+-1/sqrt(fan_in)).
 torch_kernel_init = nn.initializers.variance_scaling(1.0 / 3.0, "fan_in", "uniform")
 
@@ -392,23 +446,31 @@ def torch_conv(
     stride: int = 1,
     padding: int = 0,
     use_bias: bool = True,
+    groups: int = 1,
     conv_impl: str = "auto",
+    kernel_init=None,
     name: str | None = None,
 ) -> nn.Conv:
     """A Flax ``Conv`` that behaves like ``torch.nn.Conv2d``: symmetric padding, PyTorch init.
 
     Flax's ``'SAME'`` pads a stride-2 3x3 convolution (0, 1); PyTorch's ``padding=1`` pads (1, 1).
-    The explicit pair keeps the two identical.
+    The explicit pair keeps the two identical. ``groups > 1`` (grouped and depthwise
+    convolutions) runs ``grouped_conv_general_dilated`` unless ``conv_impl`` resolves to
+    ``native``; ``kernel_init`` overrides PyTorch's default initialisation.
     """
+    fn = _conv_fn(conv_impl)
+    if groups > 1 and fn is not lax.conv_general_dilated:
+        fn = grouped_conv_general_dilated
     return nn.Conv(
         features,
         (kernel_size, kernel_size),
         strides=(stride, stride),
         padding=((padding, padding), (padding, padding)),
         use_bias=use_bias,
-        kernel_init=torch_kernel_init,
-        bias_init=torch_bias_init(in_features * kernel_size * kernel_size),
-        conv_general_dilated=_conv_fn(conv_impl),
+        feature_group_count=groups,
+        kernel_init=kernel_init or torch_kernel_init,
+        bias_init=torch_bias_init(in_features // groups * kernel_size * kernel_size),
+        conv_general_dilated=fn,
         name=name,
     )
 
@@ -426,6 +488,7 @@ def torch_dense(in_features: int, features: int, *, name: str | None = None) -> 
 __all__ = [
     "CONV_IMPLS",
     "cpu_conv_general_dilated",
+    "grouped_conv_general_dilated",
     "onednn_conv_general_dilated",
     "patch_conv_general_dilated",
     "prefers_rows",

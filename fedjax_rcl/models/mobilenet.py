@@ -1,0 +1,103 @@
+"""MobileNetV2 for 32x32 images (Sandler et al., CVPR 2018), FedRCL's Table C backbone: the
+CIFAR variant the FedRCL authors use, with GroupNorm.
+
+Stem: conv1x1(3 -> 32, padding 1, as the reference: a zero border, 34x34) -> norm -> ReLU6.
+Seven stages of linear bottlenecks ``(repeats, out, stride, expansion)``: (1, 16, 1, 1),
+(2, 24, 2, 6), (3, 32, 2, 6), (4, 64, 2, 6), (3, 96, 1, 6), (3, 160, 1, 6), (1, 320, 1, 6);
+a bottleneck is conv1x1 (expand) -> norm -> ReLU6 -> depthwise conv3x3 (stride) -> norm ->
+ReLU6 -> conv1x1 (project) -> norm, plus the input when the shapes agree. Then conv1x1(320 ->
+1280) -> norm -> ReLU6, global average pool, dense(classes) (the reference's 1x1 conv on the
+pooled map is the same map). PyTorch-default initialisation, convolutions with bias, as the
+reference. 2,254,090 parameters for 10 classes.
+
+Levels (FedRCL): the stem's normalised output before its ReLU6, and stages 1-6's outputs (a
+linear bottleneck has no activation after it: its output is already pre-activation) -- the
+reference's seven ``layer`` outputs. Blocks (FedMLB): the stem after its ReLU6 and stages 1-6.
+The depthwise convolutions run as shifted slices on CPU (``grouped_conv_general_dilated``).
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+
+from fedjax_rcl.models.base import ModelOutput, ProjectionHead, spatial_mean
+from fedjax_rcl.nn.conv import torch_conv, torch_dense
+from fedjax_rcl.nn.norm import Norm
+from fedjax_rcl.registry import register_model
+
+STAGES = ((1, 16, 1, 1), (2, 24, 2, 6), (3, 32, 2, 6), (4, 64, 2, 6), (3, 96, 1, 6),
+          (3, 160, 1, 6), (1, 320, 1, 6))
+
+
+class LinearBottleneck(nn.Module):
+    """MobileNetV2's inverted residual with a linear projection (module docstring)."""
+
+    features: int
+    stride: int
+    expansion: int
+    norm: str = "group"
+    conv_impl: str = "auto"
+
+    @nn.compact
+    def __call__(self, x: jax.Array, *, train: bool) -> jax.Array:
+        cin = x.shape[-1]
+        hidden = cin * self.expansion
+        y = torch_conv(cin, hidden, 1, conv_impl=self.conv_impl, name="expand")(x)
+        y = nn.relu6(Norm(self.norm, name="norm1")(y, train=train))
+        y = torch_conv(hidden, hidden, 3, stride=self.stride, padding=1, groups=hidden,
+                       conv_impl=self.conv_impl, name="depthwise")(y)
+        y = nn.relu6(Norm(self.norm, name="norm2")(y, train=train))
+        y = torch_conv(hidden, self.features, 1, conv_impl=self.conv_impl, name="project")(y)
+        y = Norm(self.norm, name="norm3")(y, train=train)
+        return x + y if self.stride == 1 and cin == self.features else y
+
+
+class MobileNetV2(nn.Module):
+    """FedRCL's CIFAR MobileNetV2 (see the module docstring)."""
+
+    num_classes: int
+    norm: str = "group"
+    conv_impl: str = "auto"
+    projection_dim: int | None = None
+
+    @nn.compact
+    def __call__(self, x: jax.Array, *, train: bool = True, start: int = 0) -> ModelOutput:
+        """Images to a ``ModelOutput``; ``start=k >= 1`` enters after block ``k - 1`` (the
+        stem, then stages 1-6) on ``ModelOutput.blocks[k - 1]`` (FedMLB)."""
+        levels, blocks = [], []
+        if start == 0:
+            x = torch_conv(x.shape[-1], 32, 1, padding=1, conv_impl=self.conv_impl,
+                           name="stem_conv")(x)
+            x = Norm(self.norm, name="stem_norm")(x, train=train)
+            levels.append(x)
+            x = nn.relu6(x)
+            blocks.append(x)
+        for s, (repeats, out, stride, t) in enumerate(STAGES):
+            if s + 1 < start:
+                continue
+            for r in range(repeats):
+                x = LinearBottleneck(out, stride if r == 0 else 1, t, self.norm, self.conv_impl,
+                                     name=f"stage{s + 1}_block{r + 1}")(x, train=train)
+            if s + 1 < len(STAGES):  # stage 7 feeds the head directly, as the reference
+                levels.append(x)
+                blocks.append(x)
+        x = torch_conv(x.shape[-1], 1280, 1, conv_impl=self.conv_impl, name="head_conv")(x)
+        x = nn.relu6(Norm(self.norm, name="head_norm")(x, train=train))
+        embedding = x.mean(axis=(1, 2))
+        logits = torch_dense(1280, self.num_classes, name="head")(embedding)
+        z = (ProjectionHead(self.projection_dim, name="projection")(embedding)
+             if self.projection_dim else None)
+        return ModelOutput(logits, tuple(spatial_mean(f) for f in levels), embedding, z,
+                           tuple(blocks))
+
+
+def _build(num_classes, *, conv_impl="auto", norm="group", width=None, projection_dim=None):
+    if width is not None:
+        raise ValueError(f"width={width}: model=mobilenet_v2 has a fixed width")
+    return MobileNetV2(num_classes, norm=norm, conv_impl=conv_impl,
+                       projection_dim=projection_dim)
+
+
+register_model("mobilenet_v2", _build, num_levels=7, norms=("group", "batch", "twin"),
+               num_blocks=7)
