@@ -41,6 +41,18 @@ def _squeezenet(classes=10):
     return n + 512 * classes + classes
 
 
+def _shufflenet(groups=3, classes=10):
+    n, cin = 9 * 3 * 24 + 24 + 2 * 24, 24
+    for units, cout in ((4, 240), (8, 480), (4, 960)):
+        for u in range(units):
+            mid, out = cout // 4, (cout - cin if u == 0 else cout)  # stride-2 units concatenate
+            n += (cin // groups) * mid + mid + 2 * mid  # grouped 1x1 + GN
+            n += 9 * mid + mid + 2 * mid  # depthwise 3x3 + GN
+            n += (mid // groups) * out + out + 2 * out  # grouped 1x1 + GN
+            cin = cout
+    return n + 960 * classes + classes
+
+
 def _resnet50(width=64, classes=10):
     n, cin = 9 * 3 * width + 2 * width, width
     for s, blocks in enumerate((3, 4, 6, 3)):
@@ -58,6 +70,7 @@ CASES = {  # name: (kw, hand count, level widths)
     "mobilenet_v2": ({}, _mobilenet_v2(), [32, 16, 24, 32, 64, 96, 160]),
     "squeezenet": ({}, _squeezenet(), [96, 128, 128, 256, 256, 384, 384, 512]),
     "resnet50": ({"width": 8}, _resnet50(8), [8, 32, 64, 128, 256]),
+    "shufflenet": ({}, _shufflenet(), [24, 240, 480, 960]),
 }
 
 
@@ -103,3 +116,26 @@ def test_mobilenet_depthwise_path_equals_xla_grouped_convolution():
     np.testing.assert_allclose(float(a), float(b), rtol=1e-5)
     for u, v in zip(jax.tree.leaves(ga), jax.tree.leaves(gb), strict=True):
         np.testing.assert_allclose(np.asarray(u), np.asarray(v), rtol=1e-3, atol=1e-5)
+
+
+def test_channel_shuffle_and_average_pool_match_pytorch_semantics():
+    from fedjax_rcl.models.shufflenet import avg_pool_3x3_s2, channel_shuffle
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(2, 5, 7, 6)).astype(np.float32)  # NHWC
+    # PyTorch on NCHW: view(B, g, n, H, W).transpose(1, 2).reshape(B, C, H, W)
+    nchw = x.transpose(0, 3, 1, 2)
+    want = nchw.reshape(2, 3, 2, 5, 7).transpose(0, 2, 1, 3, 4).reshape(2, 6, 5, 7)
+    np.testing.assert_array_equal(np.asarray(channel_shuffle(jnp.asarray(x), 3)),
+                                  want.transpose(0, 2, 3, 1))
+    # AvgPool2d(3, stride=2, padding=1), count_include_pad=True, as a loop
+    pooled = np.zeros((2, 3, 4, 6))
+    for i in range(3):
+        for j in range(4):
+            for u in range(3):
+                for v in range(3):
+                    r, c = 2 * i + u - 1, 2 * j + v - 1
+                    if 0 <= r < 5 and 0 <= c < 7:
+                        pooled[:, i, j] += x[:, r, c] / 9
+    np.testing.assert_allclose(np.asarray(avg_pool_3x3_s2(jnp.asarray(x))), pooled,
+                               rtol=1e-6, atol=1e-7)

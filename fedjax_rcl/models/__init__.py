@@ -25,6 +25,7 @@ from fedjax_rcl.models.resnet import (
     resnet34,
     resnet50,
 )
+from fedjax_rcl.models.shufflenet import ShuffleNet
 from fedjax_rcl.models.squeezenet import SqueezeNet
 from fedjax_rcl.models.vgg import VGG9
 
@@ -35,7 +36,7 @@ def get_model(name: str, *, num_classes: int, conv_impl: str = "auto", norm: str
 
     Args:
       name: a registered model (built in: cnn, pfl_cnn, resnet10, resnet18, resnet34,
-        resnet50, vgg9, mobilenet_v2, squeezenet).
+        resnet50, vgg9, mobilenet_v2, squeezenet, shufflenet).
       num_classes: size of the classifier output.
       conv_impl: ``"auto" | "cpu" | "patches" | "rows" | "native"`` (see ``fedjax_rcl.nn.conv``).
       norm: normalization kind for models that have one (the CNN has none).
@@ -57,6 +58,7 @@ __all__ = [
     "PflCNN",
     "ProjectionHead",
     "ResNet",
+    "ShuffleNet",
     "SmallCNN",
     "SqueezeNet",
     "VGG9",

@@ -1,0 +1,124 @@
+"""ShuffleNet for 32x32 images (Zhang, Zhou, Lin, Sun, CVPR 2018, arXiv 1707.01083), FedRCL's
+Table C backbone: the CIFAR variant with 3 groups the FedRCL authors use (ShuffleNet v1, not
+v2), with GroupNorm.
+
+Stem conv3x3(3 -> 24, padding 1) -> norm -> ReLU; three stages of ShuffleNet units (4, 8, 4
+units; 240, 480, 960 channels; the first unit of each stage has stride 2). A unit is a grouped
+conv1x1 (3 groups, to a quarter of the output channels) -> norm -> ReLU -> channel shuffle ->
+depthwise conv3x3 (stride) -> norm -> grouped conv1x1 (3 groups) -> norm, added to the input,
+or for a stride-2 unit concatenated after a 3x3 average pool (stride 2, padding 1, zeros
+counted) of the input, then ReLU. Global average pool, dense(classes). PyTorch-default
+initialisation, convolutions with bias, as the reference (whose stage-2 exception for the first
+grouped convolution never applies: every unit's first 1x1 is grouped). 925,618 parameters for
+10 classes.
+
+Levels (FedRCL): the stem's normalised output and each stage's output before its final ReLU
+(after the add or concatenation), the SPEC's rule as for the ResNets (the reference takes them
+after the ReLU). Blocks (FedMLB): the stem and the three stages, after their ReLU.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from fedjax_rcl.models.base import ModelOutput, ProjectionHead, spatial_mean
+from fedjax_rcl.nn.conv import torch_conv, torch_dense
+from fedjax_rcl.nn.norm import Norm
+from fedjax_rcl.registry import register_model
+
+GROUPS = 3
+STAGES = ((4, 240), (8, 480), (4, 960))  # (units, output channels); each starts with stride 2
+
+
+def channel_shuffle(x: jax.Array, groups: int) -> jax.Array:
+    """``[B, H, W, g * n]``: channel ``i * n + j`` moves to ``j * g + i`` (PyTorch's
+    ``view(B, g, n, H, W).transpose(1, 2)``), so the next grouped convolution sees every
+    group's channels."""
+    b, h, w, c = x.shape
+    return x.reshape(b, h, w, groups, c // groups).swapaxes(3, 4).reshape(b, h, w, c)
+
+
+def avg_pool_3x3_s2(x: jax.Array) -> jax.Array:
+    """``torch.nn.AvgPool2d(3, stride=2, padding=1)``: zero padding counted in the mean."""
+    xp = jnp.pad(x, ((0, 0), (1, 1), (1, 1), (0, 0)))
+    ho, wo = (x.shape[1] + 1) // 2, (x.shape[2] + 1) // 2
+    taps = [xp[:, u:u + 2 * (ho - 1) + 1:2, v:v + 2 * (wo - 1) + 1:2] for u in range(3)
+            for v in range(3)]
+    return sum(taps[1:], taps[0]) / 9.0
+
+
+class ShuffleUnit(nn.Module):
+    """One ShuffleNet unit; returns its output before the final ReLU."""
+
+    features: int
+    stride: int
+    norm: str = "group"
+    conv_impl: str = "auto"
+
+    @nn.compact
+    def __call__(self, x: jax.Array, *, train: bool) -> jax.Array:
+        cin = x.shape[-1]
+        mid = self.features // 4
+        concat = self.stride != 1 or cin != self.features
+        out = self.features - cin if concat else self.features
+        y = torch_conv(cin, mid, 1, groups=GROUPS, conv_impl=self.conv_impl, name="squeeze")(x)
+        y = nn.relu(Norm(self.norm, name="norm1")(y, train=train))
+        y = channel_shuffle(y, GROUPS)
+        y = torch_conv(mid, mid, 3, stride=self.stride, padding=1, groups=mid,
+                       conv_impl=self.conv_impl, name="depthwise")(y)
+        y = Norm(self.norm, name="norm2")(y, train=train)
+        y = torch_conv(mid, out, 1, groups=GROUPS, conv_impl=self.conv_impl, name="expand")(y)
+        y = Norm(self.norm, name="norm3")(y, train=train)
+        if concat:
+            return jnp.concatenate([avg_pool_3x3_s2(x), y], axis=-1)
+        return x + y
+
+
+class ShuffleNet(nn.Module):
+    """FedRCL's CIFAR ShuffleNet, 3 groups (see the module docstring)."""
+
+    num_classes: int
+    norm: str = "group"
+    conv_impl: str = "auto"
+    projection_dim: int | None = None
+
+    @nn.compact
+    def __call__(self, x: jax.Array, *, train: bool = True, start: int = 0) -> ModelOutput:
+        """Images to a ``ModelOutput``; ``start=k >= 1`` enters after block ``k - 1`` (the
+        stem, then stages 1-3) on ``ModelOutput.blocks[k - 1]`` (FedMLB)."""
+        levels, blocks = [], []
+        if start == 0:
+            x = torch_conv(x.shape[-1], 24, 3, padding=1, conv_impl=self.conv_impl,
+                           name="stem_conv")(x)
+            x = Norm(self.norm, name="stem_norm")(x, train=train)
+            levels.append(x)
+            x = nn.relu(x)
+            blocks.append(x)
+        for s, (units, out) in enumerate(STAGES):
+            if s + 1 < start:
+                continue
+            for u in range(units):
+                x = ShuffleUnit(out, 2 if u == 0 else 1, self.norm, self.conv_impl,
+                                name=f"stage{s + 1}_unit{u + 1}")(x, train=train)
+                if u == units - 1:
+                    levels.append(x)
+                x = nn.relu(x)
+            blocks.append(x)
+        embedding = x.mean(axis=(1, 2))
+        logits = torch_dense(embedding.shape[-1], self.num_classes, name="head")(embedding)
+        z = (ProjectionHead(self.projection_dim, name="projection")(embedding)
+             if self.projection_dim else None)
+        return ModelOutput(logits, tuple(spatial_mean(f) for f in levels), embedding, z,
+                           tuple(blocks))
+
+
+def _build(num_classes, *, conv_impl="auto", norm="group", width=None, projection_dim=None):
+    if width is not None:
+        raise ValueError(f"width={width}: model=shufflenet has a fixed width")
+    return ShuffleNet(num_classes, norm=norm, conv_impl=conv_impl, projection_dim=projection_dim)
+
+
+register_model("shufflenet", _build, num_levels=4, norms=("group", "batch", "twin"),
+               num_blocks=4)
