@@ -53,6 +53,20 @@ def _shufflenet(groups=3, classes=10):
     return n + 960 * classes + classes
 
 
+def _shufflenet_v2(classes=10):
+    n, cin = 9 * 3 * 24 + 2 * 24, 24  # convolutions without bias here
+    for units, out in ((4, 116), (8, 232), (4, 464)):
+        half = out // 2
+        for u in range(units):
+            if u == 0:  # stride 2: both branches see the whole input
+                n += 9 * cin + 2 * cin + cin * half + 2 * half
+                n += cin * half + 2 * half + 9 * half + 2 * half + half * half + 2 * half
+            else:  # stride 1: one half passes, the other is transformed
+                n += half * half + 2 * half + 9 * half + 2 * half + half * half + 2 * half
+            cin = out
+    return n + 464 * 1024 + 2 * 1024 + 1024 * classes + classes
+
+
 def _resnet50(width=64, classes=10):
     n, cin = 9 * 3 * width + 2 * width, width
     for s, blocks in enumerate((3, 4, 6, 3)):
@@ -71,6 +85,7 @@ CASES = {  # name: (kw, hand count, level widths)
     "squeezenet": ({}, _squeezenet(), [96, 128, 128, 256, 256, 384, 384, 512]),
     "resnet50": ({"width": 8}, _resnet50(8), [8, 32, 64, 128, 256]),
     "shufflenet": ({}, _shufflenet(), [24, 240, 480, 960]),
+    "shufflenet_v2": ({}, _shufflenet_v2(), [24, 116, 232, 464]),
 }
 
 

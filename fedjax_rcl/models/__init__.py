@@ -26,6 +26,7 @@ from fedjax_rcl.models.resnet import (
     resnet50,
 )
 from fedjax_rcl.models.shufflenet import ShuffleNet
+from fedjax_rcl.models.shufflenet_v2 import ShuffleNetV2
 from fedjax_rcl.models.squeezenet import SqueezeNet
 from fedjax_rcl.models.vgg import VGG9
 
@@ -36,7 +37,7 @@ def get_model(name: str, *, num_classes: int, conv_impl: str = "auto", norm: str
 
     Args:
       name: a registered model (built in: cnn, pfl_cnn, resnet10, resnet18, resnet34,
-        resnet50, vgg9, mobilenet_v2, squeezenet, shufflenet).
+        resnet50, vgg9, mobilenet_v2, squeezenet, shufflenet, shufflenet_v2).
       num_classes: size of the classifier output.
       conv_impl: ``"auto" | "cpu" | "patches" | "rows" | "native"`` (see ``fedjax_rcl.nn.conv``).
       norm: normalization kind for models that have one (the CNN has none).
@@ -59,6 +60,7 @@ __all__ = [
     "ProjectionHead",
     "ResNet",
     "ShuffleNet",
+    "ShuffleNetV2",
     "SmallCNN",
     "SqueezeNet",
     "VGG9",

@@ -1,0 +1,114 @@
+"""ShuffleNet v2 for 32x32 images (Ma, Zhang, Zheng, Sun, ECCV 2018, arXiv 1807.11164), the
+common CIFAR variant at width 1x, with GroupNorm by default.
+
+Stem conv3x3(3 -> 24, padding 1, no bias) -> norm -> ReLU (no max-pool at 32x32); three
+stages (116, 232, 464 channels; 4, 8, 4 units, the first of each with stride 2); conv1x1(464 ->
+1024) -> norm -> ReLU; global average pool; dense(classes). A stride-1 unit splits the channels
+in half, keeps one half and runs the other through conv1x1 -> norm -> ReLU -> depthwise conv3x3
+-> norm -> conv1x1 -> norm -> ReLU, concatenates and shuffles the channels (2 groups). A
+stride-2 unit runs the whole input through two branches (depthwise conv3x3 stride 2 -> norm ->
+conv1x1 -> norm -> ReLU; and conv1x1 -> norm -> ReLU -> depthwise conv3x3 stride 2 -> norm ->
+conv1x1 -> norm -> ReLU), each to half the output channels, concatenated and shuffled.
+Convolutions without bias, PyTorch-default initialisation. 1,263,854 parameters for 10
+classes.
+
+FedRCL's Table C uses ShuffleNet v1 (``model=shufflenet``); this is the v2 of MOON-style
+comparisons. Levels (FedRCL): the stem's normalised output before its ReLU, and each stage's
+output (after the final shuffle; every branch ends in a ReLU, so there is no pre-activation
+tensor to take). Blocks (FedMLB): the stem after its ReLU and the three stages.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from fedjax_rcl.models.base import ModelOutput, ProjectionHead, spatial_mean
+from fedjax_rcl.models.shufflenet import channel_shuffle
+from fedjax_rcl.nn.conv import torch_conv, torch_dense
+from fedjax_rcl.nn.norm import Norm
+from fedjax_rcl.registry import register_model
+
+STAGES = ((4, 116), (8, 232), (4, 464))  # (units, output channels)
+
+
+class ShuffleUnitV2(nn.Module):
+    """One ShuffleNet v2 unit (module docstring)."""
+
+    features: int
+    stride: int
+    norm: str = "group"
+    conv_impl: str = "auto"
+
+    @nn.compact
+    def __call__(self, x: jax.Array, *, train: bool) -> jax.Array:
+        def conv(h, cout, k, name, stride=1, groups=1):
+            h = torch_conv(h.shape[-1], cout, k, stride=stride, padding=k // 2, groups=groups,
+                           use_bias=False, conv_impl=self.conv_impl, name=f"{name}_conv")(h)
+            return Norm(self.norm, name=f"{name}_norm")(h, train=train)
+
+        half = self.features // 2
+        if self.stride == 1:
+            keep, y = jnp.split(x, 2, axis=-1)
+            y = nn.relu(conv(y, half, 1, "pw1"))
+            y = conv(y, half, 3, "dw", groups=half)
+            y = nn.relu(conv(y, half, 1, "pw2"))
+            return channel_shuffle(jnp.concatenate([keep, y], axis=-1), 2)
+        cin = x.shape[-1]
+        left = conv(x, cin, 3, "left_dw", stride=2, groups=cin)
+        left = nn.relu(conv(left, half, 1, "left_pw"))
+        y = nn.relu(conv(x, half, 1, "pw1"))
+        y = conv(y, half, 3, "dw", stride=2, groups=half)
+        y = nn.relu(conv(y, half, 1, "pw2"))
+        return channel_shuffle(jnp.concatenate([left, y], axis=-1), 2)
+
+
+class ShuffleNetV2(nn.Module):
+    """CIFAR ShuffleNet v2, width 1x (see the module docstring)."""
+
+    num_classes: int
+    norm: str = "group"
+    conv_impl: str = "auto"
+    projection_dim: int | None = None
+
+    @nn.compact
+    def __call__(self, x: jax.Array, *, train: bool = True, start: int = 0) -> ModelOutput:
+        """Images to a ``ModelOutput``; ``start=k >= 1`` enters after block ``k - 1`` (the
+        stem, then stages 1-3) on ``ModelOutput.blocks[k - 1]`` (FedMLB)."""
+        levels, blocks = [], []
+        if start == 0:
+            x = torch_conv(x.shape[-1], 24, 3, padding=1, use_bias=False,
+                           conv_impl=self.conv_impl, name="stem_conv")(x)
+            x = Norm(self.norm, name="stem_norm")(x, train=train)
+            levels.append(x)
+            x = nn.relu(x)
+            blocks.append(x)
+        for s, (units, out) in enumerate(STAGES):
+            if s + 1 < start:
+                continue
+            for u in range(units):
+                x = ShuffleUnitV2(out, 2 if u == 0 else 1, self.norm, self.conv_impl,
+                                  name=f"stage{s + 1}_unit{u + 1}")(x, train=train)
+            levels.append(x)
+            blocks.append(x)
+        x = torch_conv(x.shape[-1], 1024, 1, use_bias=False, conv_impl=self.conv_impl,
+                       name="head_conv")(x)
+        x = nn.relu(Norm(self.norm, name="head_norm")(x, train=train))
+        embedding = x.mean(axis=(1, 2))
+        logits = torch_dense(1024, self.num_classes, name="head")(embedding)
+        z = (ProjectionHead(self.projection_dim, name="projection")(embedding)
+             if self.projection_dim else None)
+        return ModelOutput(logits, tuple(spatial_mean(f) for f in levels), embedding, z,
+                           tuple(blocks))
+
+
+def _build(num_classes, *, conv_impl="auto", norm="group", width=None, projection_dim=None):
+    if width is not None:
+        raise ValueError(f"width={width}: model=shufflenet_v2 has a fixed width")
+    return ShuffleNetV2(num_classes, norm=norm, conv_impl=conv_impl,
+                        projection_dim=projection_dim)
+
+
+register_model("shufflenet_v2", _build, num_levels=4, norms=("group", "batch", "twin"),
+               num_blocks=4)
