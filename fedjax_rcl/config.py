@@ -87,6 +87,10 @@ class CoreConfig:
     keep_checkpoints: int = 3  # newest checkpoints kept
     eval_batch_size: int = 500
     ema_decay: float = 0.9
+    # Representation analysis (effective rank, VCI, class covariances of the global and one
+    # local model's penultimate features; participation) every this many rounds, 0: off.
+    analysis_every: int = 0
+    analysis_images: int = 1000  # the first this many test images
     # auto (cpu on CPU, native on GPU/TPU) | cpu (oneDNN, else rows/patches) | onednn | patches
     # | rows | native
     conv_impl: str = "auto"
@@ -274,7 +278,7 @@ def _quote_string_value(override: str) -> str:
 # Keys that a resumed run may change without changing any result.
 RESUME_SAFE_KEYS = ("rounds", "checkpoint_every", "keep_checkpoints", "eval_batch_size",
                     "data_dir", "run_dir", "distributed.coordinator_address",
-                    "distributed.process_id")
+                    "distributed.process_id", "analysis_every", "analysis_images")
 
 
 def _flat(d: dict, prefix: str = "") -> dict:
@@ -464,6 +468,13 @@ def validate(cfg: CoreConfig, *, check_data: bool = True) -> None:
     _check(p, cfg.aggregation in AGGREGATIONS, "aggregation", cfg.aggregation,
            f"allowed: {', '.join(AGGREGATIONS)}")
     _check(p, cfg.eval_every >= 1, "eval_every", cfg.eval_every, "must be >= 1")
+    _check(p, isinstance(cfg.analysis_every, int) and cfg.analysis_every >= 0
+           and (cfg.analysis_every == 0 or cfg.eval_every < 1
+                or cfg.analysis_every % cfg.eval_every == 0),
+           "analysis_every", cfg.analysis_every,
+           f"must be 0 (off) or a multiple of eval_every={cfg.eval_every}")
+    _check(p, isinstance(cfg.analysis_images, int) and cfg.analysis_images >= 2,
+           "analysis_images", cfg.analysis_images, "must be >= 2")
     _check(p, cfg.eval_batch_size >= 1, "eval_batch_size", cfg.eval_batch_size, "must be >= 1")
     _check(p, cfg.checkpoint_every >= 0, "checkpoint_every", cfg.checkpoint_every,
            "must be >= 0 (0: only at the end)")

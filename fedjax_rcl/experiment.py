@@ -72,6 +72,9 @@ class Experiment:
     # the jitted single round that takes and returns the sampled clients' rows.
     host_table: object = None
     round_step: Callable | None = None
+    # What clients start local training from: ``(params, opt_state) -> params`` (the server
+    # optimizer's; FedACG's look-ahead), for side computations such as the analysis.
+    server_start: Callable | None = None
 
 
 def make_partition(cfg: CoreConfig, labels: np.ndarray) -> list[np.ndarray]:
@@ -175,7 +178,8 @@ def build(cfg: CoreConfig, dataset: ImageDataset | None = None, *,
                           algorithm=algorithm, data=data, test=test, state=state,
                           settings=settings, local_update=local_update, run_round=run_round,
                           run_rounds=None, evaluate=evaluate, mesh=mesh, host_table=host_table,
-                          round_step=jax.jit(run_round, donate_argnums=0))
+                          round_step=jax.jit(run_round, donate_argnums=0),
+                          server_start=sopt.start)
     run_rounds = jax.jit(make_run_rounds(run_round, cfg.eval_every), donate_argnums=0)
     state = jax.device_get(
         init_server_state(params, model_state, algorithm, sopt, cfg.num_clients, root, reports))
@@ -184,7 +188,7 @@ def build(cfg: CoreConfig, dataset: ImageDataset | None = None, *,
     return Experiment(cfg=cfg, dataset=dataset, parts=parts, model=model, algorithm=algorithm,
                       data=data, test=test, state=state, settings=settings,
                       local_update=local_update, run_round=run_round, run_rounds=run_rounds,
-                      evaluate=evaluate, mesh=mesh)
+                      evaluate=evaluate, mesh=mesh, server_start=sopt.start)
 
 
 # The run functions live in ``fedjax_rcl.training``; these names stay importable from here.

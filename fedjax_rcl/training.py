@@ -182,6 +182,11 @@ def _run(exp: Experiment, run_dir: Path, ckpt: Checkpointer, state: ServerState,
 
     cfg = exp.cfg
     advance, evaluate, compile_s = _compile(exp, log)
+    analyze = None
+    if cfg.analysis_every:
+        from fedjax_rcl.engine.analysis import make_analysis
+
+        analyze = make_analysis(exp, cfg.analysis_images)
     record: dict = {}
     start, first, last_saved = time.perf_counter(), done, done
     # Loop time of the rounds before ``done`` (earlier processes of this run, if resumed).
@@ -211,6 +216,8 @@ def _run(exp: Experiment, run_dir: Path, ckpt: Checkpointer, state: ServerState,
                           "round_s": round((time.perf_counter() - block_start) / n, 3),
                           "elapsed_s": round(time.perf_counter() - start, 3),
                           "total_s": round(prior_s + time.perf_counter() - start, 3)}
+                if analyze is not None and done % cfg.analysis_every == 0:
+                    record.update(analyze(state))
                 if out is not None:
                     with interrupts.critical():  # never a torn line
                         out.write(json.dumps(record) + "\n")

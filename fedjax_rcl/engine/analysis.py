@@ -1,0 +1,94 @@
+"""Representation analysis during training (FedRCL, Figures 2 and 3): how collapsed are the
+global model's and a local model's features?
+
+Every ``analysis_every`` rounds the run records, on a fixed subset of the test set (its first
+``analysis_images`` images), the penultimate features (``ModelOutput.embedding``) of
+
+* the global model, and
+* one client's local model: the first client sampled for the next round, trained from the
+  round's starting point exactly as that round will train it (same keys, same data): the
+  paper plots local models, which are where the skewed data collapse the features first.
+
+From each, on the host in float64 (``fedjax_rcl.metrics``): the effective rank, the within- and
+between-class covariance traces and the variability collapse index. Also the participation
+histogram: how often each client has been sampled so far (recomputed from the sampling rule,
+so a resumed run reports the same). The analysis changes nothing in the run (the retrained
+client is a side computation), so its settings may change on resume.
+
+Cost: one client's local update plus two forward passes over the subset, per analysis.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fedjax_rcl.data.augment import normalize
+from fedjax_rcl.engine.round import client_keys, clients_per_round, sample_clients
+from fedjax_rcl.metrics.representation import (
+    class_covariance_traces,
+    effective_rank,
+    variability_collapse_index,
+)
+
+
+def _summary(prefix: str, features: np.ndarray, labels: np.ndarray) -> dict[str, float]:
+    x = np.asarray(features, np.float64)
+    within, between = class_covariance_traces(x, labels)
+    return {f"{prefix}_effective_rank": effective_rank(x),
+            f"{prefix}_vci": variability_collapse_index(x, labels),
+            f"{prefix}_trace_within": within, f"{prefix}_trace_between": between}
+
+
+def make_analysis(exp, num_images: int):
+    """Builds ``analyze(state) -> dict`` of metrics for ``exp`` (an ``Experiment``) at
+    ``state`` (before the round ``state.round`` runs)."""
+    cfg, model, data = exp.cfg, exp.model, exp.data
+    images = np.asarray(exp.dataset.test_images[:num_images])
+    labels = np.asarray(exp.dataset.test_labels[:num_images])
+    mean, std = exp.dataset.mean, exp.dataset.std
+    m = clients_per_round(cfg.num_clients, cfg.participation)
+
+    @jax.jit
+    def features(params, model_state, x):
+        out, _ = model.apply(params, model_state, normalize(x, mean, std), train=False)
+        return out.embedding
+
+    @jax.jit
+    def local_model(state, data, row):
+        client = sample_clients(state.key, state.round, cfg.num_clients, m)[0]
+        key = client_keys(state.key, state.round, client[None])[0]
+        start = exp.server_start(state.params, state.opt_state)
+        params, model_state, _, _ = exp.local_update(
+            start, state.model_state, row, key, data.client_indices[client],
+            data.client_sizes[client], state.round, data, state.message)
+        return params, model_state, client
+
+    @jax.jit
+    def histogram(key, rounds):
+        # Over a fixed range (this process's last round) with the later rounds masked out, so
+        # that every analysis reuses one compiled program.
+        r = jnp.arange(max(cfg.rounds, 1))
+        picks = jax.vmap(lambda i: sample_clients(key, i, cfg.num_clients, m))(r)
+        counted = jnp.broadcast_to((r < rounds)[:, None], picks.shape).astype(jnp.int32)
+        return jnp.zeros((cfg.num_clients,), jnp.int32).at[picks.reshape(-1)].add(
+            counted.reshape(-1))
+
+    def client_row(state, r: int):
+        table = exp.host_table if exp.host_table is not None else state.client_states
+        return jax.tree.map(lambda t: jnp.asarray(t[r]), table)
+
+    def analyze(state) -> dict:
+        x = jnp.asarray(images)
+        out = _summary("global", jax.device_get(features(state.params, state.model_state, x)),
+                       labels)
+        first = int(sample_clients(state.key, state.round, cfg.num_clients, m)[0])
+        params, model_state, client = local_model(state, data, client_row(state, first))
+        out.update(_summary("local", jax.device_get(features(params, model_state, x)), labels))
+        out["local_client"] = int(client)
+        counts = np.asarray(jax.device_get(histogram(state.key, int(state.round))))
+        out["participation"] = counts.tolist()
+        return out
+
+    return analyze

@@ -1,0 +1,67 @@
+"""Representation analysis during training (``analysis_every``): the local model it analyses is
+the one the next round trains, the participation histogram counts the sampled clients, the
+metrics land in metrics.jsonl, and the settings are validated and resume-safe."""
+
+import json
+
+import jax
+import numpy as np
+import pytest
+
+from fedjax_rcl.cli import main
+from fedjax_rcl.config import Config, ConfigError, config_digest, load_config
+from fedjax_rcl.engine.analysis import make_analysis
+from fedjax_rcl.experiment import build
+
+
+def _cfg(**kw):
+    base = dict(dataset="toy", model="cnn", algorithm="fedavg", num_clients=6,
+                participation=1 / 6, partition="iid", local_epochs=1, batch_size=16, rounds=3,
+                eval_every=1, analysis_every=1, analysis_images=60)
+    base.update(kw)
+    return Config(**base)
+
+
+def test_local_model_is_the_one_the_next_round_trains(toy):
+    """One client per round and plain averaging: the next global model IS that client's local
+    model, so its analysis equals the local analysis taken before the round."""
+    exp = build(_cfg(), toy)
+    analyze = make_analysis(exp, 60)
+    before = analyze(exp.state)
+    after_state, metrics = jax.jit(exp.run_round)(exp.state, exp.data)
+    after = analyze(after_state)
+    assert before["local_client"] == int(np.asarray(metrics["clients"])[0])
+    for k in ("effective_rank", "vci", "trace_within", "trace_between"):
+        np.testing.assert_allclose(before[f"local_{k}"], after[f"global_{k}"], rtol=1e-4,
+                                   atol=1e-9)
+    assert before["global_effective_rank"] != pytest.approx(after["global_effective_rank"])
+
+
+def test_participation_counts_the_sampled_clients(toy):
+    exp = build(_cfg(participation=0.5), toy)
+    analyze = make_analysis(exp, 60)
+    state, step, seen = exp.state, jax.jit(exp.run_round), np.zeros(6, int)
+    for _ in range(3):
+        state, metrics = step(state, exp.data)
+        np.add.at(seen, np.asarray(metrics["clients"]), 1)
+    assert analyze(state)["participation"] == seen.tolist()
+    assert sum(seen) == 9
+
+
+def test_metrics_jsonl_rows_and_validation(tmp_path, capsys):
+    run = tmp_path / "run"
+    args = ["dataset=digits", "num_clients=10", "participation=0.5", "local_epochs=1",
+            "partition=iid", "algorithm=fedavg", "rounds=4", "analysis_every=2",
+            "analysis_images=200", f"run_dir={run}", "--no-progress"]
+    assert main(["train", *args]) == 0, capsys.readouterr().err
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert ["global_vci" in r for r in rows] == [False, True, False, True]
+    assert rows[-1]["global_effective_rank"] > 1 and 0 <= rows[-1]["local_vci"] <= 1
+    assert sum(rows[-1]["participation"]) == 4 * 5
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["eval_every=2", "analysis_every=3", "analysis_images=1"])
+    assert "analysis_every=3: must be 0 (off) or a multiple of eval_every=2" in str(e.value)
+    assert "analysis_images=1: must be >= 2" in str(e.value)
+    # The analysis changes nothing in the run: it may be switched on or off on resume.
+    a, b = load_config(None, []), load_config(None, ["analysis_every=5"])
+    assert config_digest(a) == config_digest(b)
