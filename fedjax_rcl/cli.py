@@ -51,6 +51,11 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--no-progress", action="store_true", help="no progress bar")
     e = sub.add_parser("eval", help="evaluate a run's newest checkpoint; prints JSON")
     e.add_argument("run_dir", help="the run directory")
+    rep = sub.add_parser("report", help="tables and figures in the paper's layout from runs")
+    rep.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories")
+    rep.add_argument("--out", default="report", help="output directory (default: report)")
+    rep.add_argument("--at", nargs="+", type=int, default=[], metavar="ROUND",
+                     help="rounds to tabulate (default: the last round every run reached)")
     s = sub.add_parser("partition", help="partition statistics and a clients x classes plot")
     _config_args(s)
     s.add_argument("--plot", default="partition.png", help="where to save the plot (PNG)")
@@ -94,8 +99,8 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         p.error(f"unrecognized arguments: {' '.join(unknown)}")
     if extra:
-        if args.command == "eval":
-            p.error(f"eval takes no overrides: {' '.join(extra)}")
+        if args.command in ("eval", "report"):
+            p.error(f"{args.command} takes no overrides: {' '.join(extra)}")
         if args.command == "resume":
             args.overrides = [*args.overrides, *extra]
         else:
@@ -114,6 +119,14 @@ def main(argv: list[str] | None = None) -> int:
                        progress=not args.no_progress)
             except TrainingError as e:
                 return _fail(str(e), EXIT_TRAINING)
+            return 0
+        if args.command == "report":
+            from fedjax_rcl.report import ReportError, report
+
+            try:
+                print(report(args.run_dirs, args.out, args.at))
+            except ReportError as e:
+                return _fail(str(e), EXIT_USAGE)
             return 0
         if args.command == "eval":
             from fedjax_rcl.training import evaluate_run

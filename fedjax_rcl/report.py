@@ -1,0 +1,270 @@
+"""``fedjax-rcl report RUN_DIR...``: tables and figures in the FedRCL paper's layout from run
+directories, with no script to write.
+
+Each run directory contributes its ``config.yaml`` (what it is) and ``metrics.jsonl`` (how it
+went). Runs are grouped by their configs: the keys whose values differ between runs are split
+into the *method* (the algorithm, its own section's keys, the server optimizer) and the
+*setting* (everything else that differs: alpha, partition, dataset, model, ...). Written to
+``--out``:
+
+* ``report.md``: one table per reported round (default: the last round every run reached),
+  methods as rows and settings as columns, EMA test accuracy as the paper's tables
+  (``ema_t = d ema_{t-1} + (1 - d) acc_t``), best accuracy beside it; the runs behind each cell;
+* ``convergence.png``: EMA accuracy over rounds, one panel per setting (paper Fig. 1/A);
+* ``collapse.png``, for runs recorded with ``analysis_every``: effective rank and variability
+  collapse index of the global and local models' features over rounds (paper Figs. 2-3);
+* ``beta_sweep.png`` when the runs differ only in ``fedrcl.beta`` (and the setting): final EMA
+  accuracy against beta (paper Fig. 4/B).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+import yaml
+
+# Keys that say nothing about what a run is.
+_IGNORED = {"run_dir", "rounds", "checkpoint_every", "keep_checkpoints", "eval_batch_size",
+            "data_dir", "analysis_every", "analysis_images", "plugins", "conv_impl", "devices",
+            "clients_in_parallel", "client_states", "distributed.coordinator_address",
+            "distributed.process_id", "distributed.num_processes"}
+
+
+class ReportError(ValueError):
+    """A run directory that cannot be reported (missing or unreadable files)."""
+
+
+@dataclasses.dataclass
+class Run:
+    path: Path
+    config: dict  # flat
+    rows: list[dict]
+
+    def ema_at(self, r: int) -> float | None:
+        hit = [x for x in self.rows if x["round"] == r]
+        return hit[0]["test_accuracy_ema"] if hit else None
+
+    @property
+    def last_round(self) -> int:
+        return self.rows[-1]["round"] if self.rows else 0
+
+    @property
+    def best(self) -> float | None:
+        return max((x["test_accuracy"] for x in self.rows), default=None)
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def _section(algorithm) -> str:
+    from fedjax_rcl import registry
+
+    registry.load_builtins()
+    entry = registry.ALGORITHMS.get(str(algorithm))
+    return (entry.section or entry.name) if entry is not None else str(algorithm)
+
+
+def _result_keys(config: dict) -> dict:
+    """The settings that make a run what it is: core keys, the algorithm's own section, the
+    server optimizer and its section -- not the inert sections of other algorithms and
+    optimizers (whose presence and defaults vary with the code that wrote the file)."""
+    from fedjax_rcl import registry
+
+    section, opt = _section(config.get("algorithm")), config.get("server.optimizer")
+    out = {}
+    for k, v in config.items():
+        if k in _IGNORED or k.startswith("distributed."):
+            continue
+        head = k.split(".")[0]
+        if "." not in k or head == section or k == "server.optimizer" or (
+                k.startswith(f"server.{opt}.")):
+            out[k] = v
+        elif k == "server.lr":
+            entry = registry.SERVER_OPTIMIZERS.get(str(opt))
+            out[k] = v if v is not None or entry is None else entry.default_lr
+    return out
+
+
+def load_run(path: str | Path) -> Run:
+    path = Path(path)
+    cfg, metrics = path / "config.yaml", path / "metrics.jsonl"
+    if not cfg.is_file() or not metrics.is_file():
+        raise ReportError(f"{path}: not a run directory (needs config.yaml and metrics.jsonl)")
+    try:
+        config = _result_keys(_flat(yaml.safe_load(cfg.read_text()) or {}))
+        rows = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()]
+    except (yaml.YAMLError, json.JSONDecodeError) as e:
+        raise ReportError(f"{path}: unreadable config.yaml or metrics.jsonl ({e})") from None
+    return Run(path, config, rows)
+
+
+def _method_key(key: str, config: dict) -> bool:
+    """Whether a differing key belongs to the method (rather than the setting)."""
+    return (key == "algorithm" or key.startswith(f"{_section(config.get('algorithm'))}.")
+            or key.startswith("server."))
+
+
+def _label(run: Run, keys: Sequence[str]) -> str:
+    parts = []
+    for k in keys:
+        v = run.config.get(k)
+        if k == "algorithm":
+            parts.append(str(v))
+        elif k == "server.optimizer":
+            parts.append(f"+ {v}")
+        elif "." in k:  # a section's key: its short name
+            parts.append(f"{k.split('.')[-1]}={v}")
+        else:
+            parts.append(f"{k}={v}")
+    return " ".join(parts) or "run"
+
+
+def group(runs: Sequence[Run]) -> tuple[list[str], list[str], dict]:
+    """``(methods, settings, cells)``: labels in first-seen order, ``cells[(m, s)]`` runs."""
+    keys = sorted({k for r in runs for k in r.config} - _IGNORED)
+    # A section's key is compared among the runs that have it (its algorithm's runs).
+    differing = [k for k in keys
+                 if len({json.dumps(r.config[k]) for r in runs if k in r.config}) > 1]
+    methods, settings, cells = [], [], {}
+    for r in runs:
+        mk = [k for k in differing if _method_key(k, r.config) and k in r.config]
+        sk = [k for k in differing if not _method_key(k, r.config) and "." not in k]
+        m, s = _label(r, ["algorithm"] + [k for k in mk if k != "algorithm"]), _label(r, sk)
+        methods += [m] if m not in methods else []
+        settings += [s] if s not in settings else []
+        cells.setdefault((m, s), []).append(r)
+    return methods, settings, cells
+
+
+def _fmt(x: float | None) -> str:
+    return "—" if x is None else f"{x:.4f}"
+
+
+def table(runs: Sequence[Run], at: Sequence[int]) -> str:
+    methods, settings, cells = group(runs)
+    lines = []
+    for r in at:
+        lines += [f"EMA test accuracy at round {r} (best accuracy in brackets):", "",
+                  "| method | " + " | ".join(settings) + " |",
+                  "|---" * (len(settings) + 1) + "|"]
+        for m in methods:
+            row = []
+            for s in settings:
+                hit = cells.get((m, s), [])
+                vals = [(x.ema_at(r), x.best) for x in hit]
+                row.append("; ".join(f"{_fmt(e)} ({_fmt(b)})" for e, b in vals) or "—")
+            lines.append(f"| {m} | " + " | ".join(row) + " |")
+        lines.append("")
+    lines += ["Runs:", ""]
+    for (m, s), hit in cells.items():
+        for x in hit:
+            lines.append(f"- {m} / {s}: `{x.path}` ({x.last_round} rounds)")
+    return "\n".join(lines) + "\n"
+
+
+def _plots(runs: Sequence[Run], out: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+    methods, settings, cells = group(runs)
+    fig, axes = plt.subplots(1, len(settings), figsize=(6.5 * len(settings), 4.8),
+                             squeeze=False)
+    for ax, s in zip(axes[0], settings, strict=True):
+        for m in methods:
+            for x in cells.get((m, s), []):
+                ax.plot([r["round"] for r in x.rows], [r["test_accuracy_ema"] for r in x.rows],
+                        label=m if len(m) <= 40 else m[:37] + "...")
+        ax.set(title=s, xlabel="round", ylabel="EMA test accuracy")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle("Convergence (EMA of test accuracy)")
+    fig.tight_layout()
+    written.append(out / "convergence.png")
+    fig.savefig(written[-1], dpi=120)
+    plt.close(fig)
+
+    analysed = [x for x in runs if any("global_effective_rank" in r for r in x.rows)]
+    if analysed:
+        fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
+        for metric, ax, name in (("effective_rank", axes[0], "effective rank"),
+                                 ("vci", axes[1], "variability collapse index")):
+            for i, x in enumerate(analysed):
+                for which, style in (("global", "-"), ("local", "--")):
+                    pts = [(r["round"], r[f"{which}_{metric}"]) for r in x.rows
+                           if f"{which}_{metric}" in r]
+                    ax.plot(*zip(*pts, strict=True), style, color=f"C{i}",
+                            label=f"{x.path.name} ({which})")
+            ax.set(title=name, xlabel="round", ylabel=name)
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=7)
+        fig.suptitle("Representation collapse (penultimate features; solid global, dashed "
+                     "local)")
+        fig.tight_layout()
+        written.append(out / "collapse.png")
+        fig.savefig(written[-1], dpi=120)
+        plt.close(fig)
+
+    sweep = _beta_sweep(runs)
+    if sweep:
+        fig, ax = plt.subplots(figsize=(6, 4.2))
+        for s, pts in sweep.items():
+            pts.sort()
+            ax.plot([b for b, _ in pts], [e for _, e in pts], "o-", label=s)
+        ax.set(title="FedRCL: final EMA accuracy against beta", xlabel="beta (fedrcl.beta)",
+               ylabel="EMA test accuracy")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        written.append(out / "beta_sweep.png")
+        fig.savefig(written[-1], dpi=120)
+        plt.close(fig)
+    return written
+
+
+def _beta_sweep(runs: Sequence[Run]) -> dict[str, list[tuple[float, float]]]:
+    """``{setting: [(beta, final EMA)]}`` when the methods differ only in ``fedrcl.beta``."""
+    methods, _, cells = group(runs)
+    if len(methods) < 2 or any(r.config.get("algorithm") not in ("fedrcl", "fedscl")
+                               for r in runs):
+        return {}
+    keys = sorted({k for r in runs for k in r.config if k.startswith("fedrcl.")})
+    differing = [k for k in keys
+                 if len({json.dumps(r.config[k]) for r in runs if k in r.config}) > 1]
+    if differing != ["fedrcl.beta"]:
+        return {}
+    sweep = {}
+    for (_, s), hit in cells.items():
+        for x in hit:
+            if x.rows:
+                sweep.setdefault(s, []).append((float(x.config["fedrcl.beta"]),
+                                                x.rows[-1]["test_accuracy_ema"]))
+    return sweep
+
+
+def report(run_dirs: Sequence[str | Path], out: str | Path, at: Sequence[int] = ()) -> Path:
+    """Writes ``report.md`` and the figures for ``run_dirs`` into ``out``; returns its path."""
+    runs = [load_run(p) for p in run_dirs]
+    if not runs:
+        raise ReportError("no run directories given")
+    if not at:
+        at = [min(r.last_round for r in runs)]
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    figures = _plots(runs, out)
+    text = ("# Report\n\n" + table(runs, at) + "\nFigures: "
+            + ", ".join(f"`{p.name}`" for p in figures) + "\n")
+    (out / "report.md").write_text(text)
+    return out / "report.md"

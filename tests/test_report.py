@@ -1,0 +1,60 @@
+"""``fedjax-rcl report``: the paper-layout table from run directories (methods as rows,
+settings as columns, the EMA values of metrics.jsonl), the figures, the beta sweep, errors."""
+
+import json
+
+import pytest
+
+from fedjax_rcl.cli import main
+
+ARGS = ["dataset=digits", "num_clients=10", "participation=0.5", "local_epochs=1",
+        "partition=iid", "rounds=2", "--no-progress"]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("runs")
+    made = {}
+    for name, extra in {"avg": ["algorithm=fedavg", "analysis_every=1", "analysis_images=100"],
+                        "rcl": ["algorithm=fedrcl", "fedrcl.beta=1.0"],
+                        "rcl-b05": ["algorithm=fedrcl", "fedrcl.beta=0.5"]}.items():
+        assert main(["train", *ARGS, *extra, f"run_dir={root / name}"]) == 0
+        made[name] = root / name
+    return made
+
+
+def _ema(run, r):
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    return next(x["test_accuracy_ema"] for x in rows if x["round"] == r)
+
+
+def test_two_runs_table_and_figures(runs, tmp_path, capsys):
+    out = tmp_path / "rep"
+    assert main(["report", str(runs["avg"]), str(runs["rcl"]), "--out", str(out),
+                 "--at", "1", "2"]) == 0
+    assert capsys.readouterr().out.strip() == str(out / "report.md")
+    text = (out / "report.md").read_text()
+    assert "EMA test accuracy at round 1" in text and "EMA test accuracy at round 2" in text
+    # Methods as rows; the two runs differ only in the algorithm: one setting column.
+    assert "| method | run |" in text
+    assert f"| fedavg | {_ema(runs['avg'], 2):.4f} (" in text
+    assert f"| fedrcl | {_ema(runs['rcl'], 2):.4f} (" in text
+    for png in ("convergence.png", "collapse.png"):  # the fedavg run was analysed
+        assert (out / png).stat().st_size > 10_000
+    assert not (out / "beta_sweep.png").exists()
+
+
+def test_beta_sweep_when_runs_differ_only_in_beta(runs, tmp_path):
+    out = tmp_path / "rep"
+    assert main(["report", str(runs["rcl"]), str(runs["rcl-b05"]), "--out", str(out)]) == 0
+    text = (out / "report.md").read_text()
+    assert "| fedrcl beta=1.0 |" in text and "| fedrcl beta=0.5 |" in text
+    assert (out / "beta_sweep.png").stat().st_size > 10_000
+    assert not (out / "collapse.png").exists()
+
+
+def test_not_a_run_directory_is_a_usage_error(tmp_path, capsys):
+    assert main(["report", str(tmp_path), "--out", str(tmp_path / "rep")]) == 2
+    err = capsys.readouterr().err
+    assert "not a run directory (needs config.yaml and metrics.jsonl)" in err
+    assert "Traceback" not in err
