@@ -348,7 +348,20 @@ def legacy_config_digest(cfg: CoreConfig) -> str:
 
 
 def to_yaml(cfg: CoreConfig) -> str:
-    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+    """The run's record (``config.yaml``): every key, less the sections of plugins this
+    config does not name (a fresh process reading it back would not know them)."""
+    from fedjax_rcl import registry
+
+    d = OmegaConf.to_container(OmegaConf.structured(cfg))
+    for e in registry.ALGORITHMS.values():
+        if e.section is not None and not registry.provided_by(e, cfg.plugins) and not any(
+                o.section == e.section and registry.provided_by(o, cfg.plugins)
+                for o in registry.ALGORITHMS.values()):
+            d.pop(e.section, None)
+    for e in registry.SERVER_OPTIMIZERS.values():
+        if not registry.provided_by(e, cfg.plugins):
+            d["server"].pop(e.name, None)
+    return OmegaConf.to_yaml(OmegaConf.create(d))
 
 
 def to_dict(cfg: CoreConfig) -> dict:

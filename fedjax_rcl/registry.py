@@ -82,6 +82,8 @@ class AlgorithmEntry:
         share one (FedSCL reads FedRCL's).
       num_views: augmented views per sample (known before the model is built).
       model_kwargs: ``settings -> dict`` of extra model arguments (MOON's projection head).
+      origin: the ``plugins`` module whose import registered it (None: built in, an installed
+        entry point, or registered by the running program itself); see ``provided_by``.
     """
 
     name: str
@@ -90,6 +92,7 @@ class AlgorithmEntry:
     section: str | None = None
     num_views: int = 1
     model_kwargs: Callable[[Any], dict] = _no_kwargs
+    origin: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,12 +132,14 @@ class ServerOptimizerEntry:
       build: ``(settings, lr: float) -> fedjax_rcl.server.ServerOptimizer``.
       config: dataclass of its hyperparameters, the config section ``server.<name>``.
       default_lr: the server learning rate when ``server.lr`` is null.
+      origin: as ``AlgorithmEntry.origin``.
     """
 
     name: str
     build: Callable
     config: type | None = None
     default_lr: float = 1.0
+    origin: str | None = None
 
 
 ALGORITHMS: dict[str, AlgorithmEntry] = {}
@@ -143,6 +148,9 @@ SERVER_OPTIMIZERS: dict[str, ServerOptimizerEntry] = {}
 # Config keys an algorithm section may not take (the run config's own top-level keys); set by
 # ``fedjax_rcl.config``.
 RESERVED_KEYS: set[str] = set()
+# The ``plugins`` module being imported by ``load_plugins`` (entries registered meanwhile are
+# its own: a run's config.yaml records only the sections of the plugins that run names).
+_importing_plugin: str | None = None
 # Bumped by every registration, so that the config schema is rebuilt when entries change.
 version = 0
 
@@ -180,7 +188,7 @@ def register_algorithm(name: str, build: Callable, *, config: type | None = None
             raise ValueError(f"algorithm {name!r}: section {section!r} belongs to "
                              f"{other.name!r} with another config type")
     entry = AlgorithmEntry(name, build, config, section, num_views,
-                           model_kwargs or _no_kwargs)
+                           model_kwargs or _no_kwargs, _importing_plugin)
     _add(ALGORITHMS, entry, "algorithm", replace)
     return entry
 
@@ -202,7 +210,7 @@ def register_server_optimizer(name: str, build: Callable, *, config: type | None
     """Makes ``server.optimizer=name`` available (see ``ServerOptimizerEntry``)."""
     if name in ("optimizer", "lr"):
         raise ValueError(f"server optimizer {name!r}: a core key of the server section")
-    entry = ServerOptimizerEntry(name, build, config, default_lr)
+    entry = ServerOptimizerEntry(name, build, config, default_lr, _importing_plugin)
     _add(SERVER_OPTIMIZERS, entry, "server optimizer", replace)
     return entry
 
@@ -236,6 +244,8 @@ def load_plugins(names) -> list[str]:
     """Imports the user's modules named in ``plugins`` (dotted module names, looked up from the
     current directory too, as ``python -m`` would). Returns one problem line per module that
     cannot be imported."""
+    global _importing_plugin
+    load_builtins()  # first: a plugin's own imports must not make built-ins its entries
     problems = []
     if os.getcwd() not in sys.path:
         sys.path.append(os.getcwd())
@@ -243,12 +253,23 @@ def load_plugins(names) -> list[str]:
         if not isinstance(name, str) or not name:
             problems.append(f"plugins: {name!r}: give a module name such as my_algorithms")
             continue
+        _importing_plugin = name
         try:
             importlib.import_module(name)
         except Exception as e:  # a plugin's import error, whatever it is, is a config problem
             first = str(e).splitlines()[0] if str(e) else ""
             problems.append(f"plugins: cannot import {name!r} ({type(e).__name__}: {first})")
+        finally:
+            _importing_plugin = None
     return problems
+
+
+def provided_by(entry, plugins) -> bool:
+    """Whether a config naming ``plugins`` has ``entry`` in a fresh process: built-ins and the
+    running program's own registrations always, a plugin's entries when it is named. (One
+    process may have imported plugins of earlier runs; their sections are no part of this
+    run's record.)"""
+    return entry.origin is None or entry.origin in (plugins or ())
 
 
 def algorithm(name: str) -> AlgorithmEntry:

@@ -100,6 +100,25 @@ def test_custom_section_is_checked_and_bad_plugins_are_config_errors(user_dir, c
     assert "algorithm='label_smoothing_x': allowed: fedavg" in capsys.readouterr().err
 
 
+def test_a_runs_record_omits_the_sections_of_plugins_it_does_not_name(user_dir):
+    """One process may have imported an earlier run's plugin: a later run's config.yaml must
+    still read back in a fresh process that knows only the plugins this run names."""
+    from fedjax_rcl.config import load_config, to_yaml
+
+    assert registry.load_plugins(["my_algorithms"]) == []
+    assert registry.ALGORITHMS["label_smoothing"].origin == "my_algorithms"
+    assert registry.ALGORITHMS["fedrcl"].origin is None
+    without = to_yaml(load_config(None, ["dataset=digits"]))
+    assert "label_smoothing" not in without and "fedrcl:" in without
+    with_it = to_yaml(load_config(None, ["plugins=[my_algorithms]"]))
+    assert "label_smoothing:" in with_it and "smoothing: 0.1" in with_it
+    (user_dir / "c.yaml").write_text(without)
+    proc = subprocess.run([sys.executable, "-m", "fedjax_rcl", "train", "c.yaml",
+                           "--print-config"], cwd=user_dir, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr
+
+
 def test_registering_a_taken_name_is_refused():
     with pytest.raises(ValueError, match="already registered"):
         registry.register_algorithm("fedavg", lambda s, m: None)
