@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
+from fedjax_rcl.tracking import TrackingConfig
+
 
 class ConfigError(ValueError):
     """A bad configuration. ``str(err)`` is one line per problem, each naming the field."""
@@ -102,6 +104,9 @@ class CoreConfig:
     run_dir: str | None = None  # default: runs/<dataset>-<algorithm>-<timestamp>
     server: ServerConfig = field(default_factory=ServerConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    # Mirrors of metrics.jsonl: TensorBoard event files, a Weights & Biases run
+    # (fedjax_rcl.tracking); they change no result.
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
 
 
 def _reserve_core_keys() -> None:
@@ -278,7 +283,8 @@ def _quote_string_value(override: str) -> str:
 # Keys that a resumed run may change without changing any result.
 RESUME_SAFE_KEYS = ("rounds", "checkpoint_every", "keep_checkpoints", "eval_batch_size",
                     "data_dir", "run_dir", "distributed.coordinator_address",
-                    "distributed.process_id", "analysis_every", "analysis_images")
+                    "distributed.process_id", "analysis_every", "analysis_images",
+                    *(f"tracking.{f.name}" for f in dataclasses.fields(TrackingConfig)))
 
 
 def _flat(d: dict, prefix: str = "") -> dict:
@@ -303,6 +309,8 @@ def _result_settings(cfg: CoreConfig) -> dict:
         if f.name == "server":
             flat.update({f"server.{k}": v for k, v in _flat(dataclasses.asdict(value)).items()
                          if "." not in k or k.startswith(f"{value.optimizer}.")})
+        elif f.name == "tracking":
+            continue  # where metrics are mirrored changes no result
         elif dataclasses.is_dataclass(value) and f.name != "distributed":
             entry = registry.ALGORITHMS.get(cfg.algorithm)
             if entry is not None and entry.section == f.name:

@@ -30,6 +30,7 @@ from fedjax_rcl.config import (
     config_digest,
     legacy_config_digest,
     load_config,
+    to_dict,
     to_yaml,
 )
 from fedjax_rcl.data import ImageDataset
@@ -47,6 +48,7 @@ from fedjax_rcl.engine.sharding import (
 from fedjax_rcl.experiment import Experiment, build
 from fedjax_rcl.metrics import ema
 from fedjax_rcl.rundir import atomic_write_text, read_metrics_upto
+from fedjax_rcl.tracking import Trackers
 
 
 class TrainingError(RuntimeError):
@@ -194,6 +196,8 @@ def _run(exp: Experiment, run_dir: Path, ckpt: Checkpointer, state: ServerState,
     prior_s = json.loads(prior[-1]).get("total_s", 0.0) if prior else 0.0
     bar = tqdm(total=cfg.rounds, initial=done, unit="round",
                disable=not progress or not is_primary(), dynamic_ncols=True)
+    trackers = (Trackers(cfg.tracking, run_dir, resumed_at=done, config=to_dict(cfg))
+                if is_primary() else None)
     try:
         with (open(run_dir / "metrics.jsonl", "a") if is_primary()
               else contextlib.nullcontext()) as out:
@@ -222,6 +226,8 @@ def _run(exp: Experiment, run_dir: Path, ckpt: Checkpointer, state: ServerState,
                     with interrupts.critical():  # never a torn line
                         out.write(json.dumps(record) + "\n")
                         out.flush()
+                if trackers is not None:
+                    trackers.log(record)
                 # Checkpoints land on evaluation boundaries, so a resumed run's metrics lines
                 # line up with the uninterrupted run's.
                 if done == cfg.rounds or (cfg.checkpoint_every
@@ -235,6 +241,8 @@ def _run(exp: Experiment, run_dir: Path, ckpt: Checkpointer, state: ServerState,
     finally:
         bar.close()
         ckpt.close()  # waits for pending saves: a stopped run keeps its last good checkpoint
+        if trackers is not None:
+            trackers.close()
     elapsed = time.perf_counter() - start
     if is_primary():
         plot_metrics(run_dir / "metrics.jsonl", run_dir / "accuracy.png",
