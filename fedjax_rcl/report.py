@@ -126,7 +126,7 @@ def _label(run: Run, keys: Sequence[str]) -> str:
             parts.append(f"{k.split('.')[-1]}={v}")
         else:
             parts.append(f"{k}={v}")
-    return " ".join(parts) or "run"
+    return " ".join(parts) or "all runs"
 
 
 def group(runs: Sequence[Run]) -> tuple[list[str], list[str], dict]:
@@ -197,6 +197,9 @@ def _plots(runs: Sequence[Run], out: Path) -> list[Path]:
     plt.close(fig)
 
     analysed = [x for x in runs if any("global_effective_rank" in r for r in x.rows)]
+    # The same names as the table and the convergence plot: method, and setting when several.
+    names = {id(x): m if len(settings) == 1 else f"{m}, {s}"
+             for (m, s), hit in cells.items() for x in hit}
     if analysed:
         fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
         for metric, ax, name in (("effective_rank", axes[0], "effective rank"),
@@ -206,7 +209,7 @@ def _plots(runs: Sequence[Run], out: Path) -> list[Path]:
                     pts = [(r["round"], r[f"{which}_{metric}"]) for r in x.rows
                            if f"{which}_{metric}" in r]
                     ax.plot(*zip(*pts, strict=True), style, color=f"C{i}",
-                            label=f"{x.path.name} ({which})")
+                            label=f"{names[id(x)]} ({which})")
             ax.set(title=name, xlabel="round", ylabel=name)
             ax.grid(alpha=0.3)
             ax.legend(fontsize=7)

@@ -36,7 +36,7 @@ def test_two_runs_table_and_figures(runs, tmp_path, capsys):
     text = (out / "report.md").read_text()
     assert "EMA test accuracy at round 1" in text and "EMA test accuracy at round 2" in text
     # Methods as rows; the two runs differ only in the algorithm: one setting column.
-    assert "| method | run |" in text
+    assert "| method | all runs |" in text
     assert f"| fedavg | {_ema(runs['avg'], 2):.4f} (" in text
     assert f"| fedrcl | {_ema(runs['rcl'], 2):.4f} (" in text
     for png in ("convergence.png", "collapse.png"):  # the fedavg run was analysed
