@@ -10,7 +10,7 @@ import pytest
 
 from fedjax_rcl.cli import main
 from fedjax_rcl.config import Config, ConfigError, config_digest, load_config
-from fedjax_rcl.engine.analysis import make_analysis
+from fedjax_rcl.engine.analysis import analysis_subset, make_analysis
 from fedjax_rcl.experiment import build
 
 
@@ -20,6 +20,21 @@ def _cfg(**kw):
                 eval_every=1, analysis_every=1, analysis_images=60)
     base.update(kw)
     return Config(**base)
+
+
+def test_subset_is_class_balanced_whatever_the_order():
+    """An image folder's test set comes class by class: its first images are one class."""
+    labels = np.repeat(np.arange(10), [100, 50, 100, 100, 100, 100, 100, 100, 100, 7])
+    idx = analysis_subset(labels, 400)
+    assert len(idx) == len(set(idx.tolist())) == 400 and np.all(np.diff(idx) > 0)
+    counts = np.bincount(labels[idx], minlength=10)
+    # 40 per class where the class has them; the short class gives all 7, the rest share.
+    assert counts[9] == 7 and counts.min() >= 7 and counts[:9].max() - counts[:9].min() <= 1
+    # Within a class, its earliest images; a shuffled order keeps the subset balanced too.
+    assert np.array_equal(idx[labels[idx] == 3], np.arange(250, 250 + counts[3]))
+    shuffled = np.random.default_rng(0).permutation(np.repeat(np.arange(10), 30))
+    assert np.bincount(shuffled[analysis_subset(shuffled, 100)], minlength=10).tolist() == [10] * 10
+    assert len(analysis_subset(labels, 10_000)) == len(labels)
 
 
 def test_local_model_is_the_one_the_next_round_trains(toy):

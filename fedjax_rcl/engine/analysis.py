@@ -1,8 +1,9 @@
 """Representation analysis during training (FedRCL, Figures 2 and 3): how collapsed are the
 global model's and a local model's features?
 
-Every ``analysis_every`` rounds the run records, on a fixed subset of the test set (its first
-``analysis_images`` images), the penultimate features (``ModelOutput.embedding``) of
+Every ``analysis_every`` rounds the run records, on a fixed, class-balanced subset of the test
+set (``analysis_images`` images, ``analysis_subset``), the penultimate features
+(``ModelOutput.embedding``) of
 
 * the global model, and
 * one client's local model: the first client sampled for the next round, trained from the
@@ -41,12 +42,27 @@ def _summary(prefix: str, features: np.ndarray, labels: np.ndarray) -> dict[str,
             f"{prefix}_trace_within": within, f"{prefix}_trace_between": between}
 
 
+def analysis_subset(labels, num_images: int) -> np.ndarray:
+    """Indices of ``num_images`` test images with the classes interleaved: the i-th image of
+    every class comes before the (i+1)-th of any, in the test set's order. The subset is
+    class-balanced whatever that order is -- an image folder lists its test set class by
+    class, so its first 1,000 images would all be one class and the between-class terms (and
+    the VCI) would be undefined."""
+    labels = np.asarray(labels)
+    counts = np.bincount(labels)
+    by_class = np.argsort(labels, kind="stable")
+    rank = np.empty(len(labels), np.int64)  # position of each image within its class
+    rank[by_class] = np.arange(len(labels)) - np.repeat(np.cumsum(counts) - counts, counts)
+    return np.sort(np.lexsort((labels, rank))[:num_images])
+
+
 def make_analysis(exp, num_images: int):
     """Builds ``analyze(state) -> dict`` of metrics for ``exp`` (an ``Experiment``) at
     ``state`` (before the round ``state.round`` runs)."""
     cfg, model, data = exp.cfg, exp.model, exp.data
-    images = np.asarray(exp.dataset.test_images[:num_images])
-    labels = np.asarray(exp.dataset.test_labels[:num_images])
+    subset = analysis_subset(exp.dataset.test_labels, num_images)
+    images = np.asarray(exp.dataset.test_images)[subset]
+    labels = np.asarray(exp.dataset.test_labels)[subset]
     mean, std = exp.dataset.mean, exp.dataset.std
     m = clients_per_round(cfg.num_clients, cfg.participation)
 
