@@ -92,7 +92,7 @@ class CoreConfig:
     # Representation analysis (effective rank, VCI, class covariances of the global and one
     # local model's penultimate features; participation) every this many rounds, 0: off.
     analysis_every: int = 0
-    analysis_images: int = 1000  # the first this many test images
+    analysis_images: int = 1000  # test images analysed (a fixed class-balanced subset)
     # auto (cpu on CPU, native on GPU/TPU) | cpu (oneDNN, else rows/patches) | onednn | patches
     # | rows | native
     conv_impl: str = "auto"
