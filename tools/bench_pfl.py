@@ -44,24 +44,12 @@ TRAIN_GFLOP = 2 * MACS_PER_IMAGE * 3 * 50 * 50 / 1e9  # 50 clients x 50 images, 
 EVAL_GFLOP = 2 * MACS_PER_IMAGE * 10_000 / 1e9
 
 
-def _fake_cifar(n_train: int = 50_000, n_test: int = 10_000):
-    import numpy as np
-
-    from fedjax_rcl.data import ImageDataset
-
-    rng = np.random.default_rng(0)
-    x = rng.integers(0, 256, (n_train + n_test, 32, 32, 3), dtype=np.uint8)
-    y = (np.arange(n_train + n_test) % 10).astype(np.int32)
-    return ImageDataset("fake-cifar", x[:n_train], y[:n_train], x[n_train:], y[n_train:],
-                        tuple(map(str, range(10))), (0.49, 0.48, 0.45), (0.25, 0.24, 0.26),
-                        False)
-
-
 class Ours:
     """This project's compiled rounds on the workload."""
 
     def __init__(self, rounds: int, overrides: tuple[str, ...] = ()):
         import jax
+        from bench_round import _fake_cifar
 
         from fedjax_rcl.config import load_config
         from fedjax_rcl.experiment import build
@@ -70,7 +58,7 @@ class Ours:
         cfg = load_config(str(ROOT / "experiments" / "pfl_cifar10.yaml"),
                           ["dataset=digits", f"eval_every={rounds}", "eval_batch_size=500",
                            "checkpoint_every=0", *overrides])
-        self.exp, self.rounds, self.jax = build(cfg, _fake_cifar()), rounds, jax
+        self.exp, self.rounds, self.jax = build(cfg, _fake_cifar(50_000, 10_000)), rounds, jax
         self.params = sum(x.size for x in jax.tree.leaves(self.exp.state.params))
         t = time.perf_counter()
         self.step = self.exp.run_rounds.lower(self.exp.state, self.exp.data,

@@ -42,7 +42,9 @@ def _setup(model: str):
     return (500, 5) if model == "cnn" else (100, 1)
 
 
-def _fake_cifar(n: int):
+def _fake_cifar(n: int, test_n: int = 2000):
+    """Synthetic CIFAR-shaped data (speed only): ``n`` training images, the first ``test_n``
+    of them again as the test set."""
     import numpy as np
 
     from fedjax_rcl.data import ImageDataset
@@ -50,7 +52,6 @@ def _fake_cifar(n: int):
     rng = np.random.default_rng(0)
     x = rng.integers(0, 256, (n, 32, 32, 3), dtype=np.uint8)
     y = (np.arange(n) % 10).astype(np.int32)
-    test_n = 2000
     return ImageDataset("fake-cifar", x, y, x[:test_n], y[:test_n],
                         tuple(map(str, range(10))), (0.49, 0.48, 0.45), (0.2, 0.2, 0.2), True)
 

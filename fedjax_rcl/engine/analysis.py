@@ -60,9 +60,9 @@ def make_analysis(exp, num_images: int):
     """Builds ``analyze(state) -> dict`` of metrics for ``exp`` (an ``Experiment``) at
     ``state`` (before the round ``state.round`` runs)."""
     cfg, model, data = exp.cfg, exp.model, exp.data
-    subset = analysis_subset(exp.dataset.test_labels, num_images)
-    images = np.asarray(exp.dataset.test_images)[subset]
-    labels = np.asarray(exp.dataset.test_labels)[subset]
+    labels = np.asarray(exp.dataset.test_labels)
+    subset = analysis_subset(labels, num_images)
+    images, labels = np.asarray(exp.dataset.test_images)[subset], labels[subset]
     mean, std = exp.dataset.mean, exp.dataset.std
     m = clients_per_round(cfg.num_clients, cfg.participation)
 
