@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -194,8 +195,11 @@ def _run(exp: Experiment, run_dir: Path, ckpt: Checkpointer, state: ServerState,
     # Loop time of the rounds before ``done`` (earlier processes of this run, if resumed).
     prior = read_metrics_upto(run_dir / "metrics.jsonl", done)
     prior_s = json.loads(prior[-1]).get("total_s", 0.0) if prior else 0.0
-    bar = tqdm(total=cfg.rounds, initial=done, unit="round",
-               disable=not progress or not is_primary(), dynamic_ncols=True)
+    # A bar (with tqdm's rate and ETA) on a terminal; elsewhere (logs, pipes, --no-progress)
+    # one plain line per evaluation, since a redrawn bar is noise in a file.
+    on_terminal = progress and is_primary() and sys.stderr.isatty()
+    bar = tqdm(total=cfg.rounds, initial=done, unit="round", disable=not on_terminal,
+               dynamic_ncols=True)
     trackers = (Trackers(cfg.tracking, run_dir, resumed_at=done, config=to_dict(cfg))
                 if is_primary() else None)
     try:
@@ -238,6 +242,9 @@ def _run(exp: Experiment, run_dir: Path, ckpt: Checkpointer, state: ServerState,
                 bar.update(n)
                 bar.set_postfix(loss=f"{record['train_loss']:.3f}", acc=f"{acc:.3f}",
                                 ema=f"{acc_ema:.3f}")
+                if not on_terminal:
+                    log(progress_line(record, cfg.rounds, done - first,
+                                      time.perf_counter() - start))
     finally:
         bar.close()
         ckpt.close()  # waits for pending saves: a stopped run keeps its last good checkpoint
@@ -257,12 +264,26 @@ def _run(exp: Experiment, run_dir: Path, ckpt: Checkpointer, state: ServerState,
     return {**record, "compile_s": compile_s, "run_dir": str(run_dir)}
 
 
+def progress_line(record: dict, rounds: int, rounds_run: int, seconds: float) -> str:
+    """One evaluation as a plain line: where the run is, its numbers, speed and ETA (the rate
+    of this process's rounds so far, compile excluded)."""
+    rate = rounds_run / seconds if seconds > 0 else float("inf")
+    left = (rounds - record["round"]) / rate if rate > 0 else float("inf")
+    eta = ("-" if left == float("inf")
+           else f"{int(left // 3600)}h{int(left % 3600 // 60):02d}m" if left >= 3600
+           else f"{int(left // 60)}m{int(left % 60):02d}s")
+    return (f"round {record['round']}/{rounds}  train loss {record['train_loss']:.4f}  "
+            f"test acc {record['test_accuracy']:.4f} (EMA {record['test_accuracy_ema']:.4f})  "
+            f"{rate:.2f} rounds/s  ETA {eta}")
+
+
 def train(cfg: CoreConfig, *, dataset: ImageDataset | None = None, progress: bool = True,
           log: Callable[[str], None] = print) -> dict:
     """Runs ``cfg.rounds`` rounds from scratch; returns the last metrics record.
 
     Writes to the run directory: ``config.yaml`` (resolved), ``metrics.jsonl`` (one object per
-    evaluation: ``round`` = rounds completed, ``test_accuracy``, ``test_accuracy_ema``,
+    evaluation: ``round`` = rounds completed, ``test_accuracy``, ``test_accuracy_ema`` (the
+    paper's per-round EMA when ``eval_every=1``; otherwise it advances once per evaluation),
     ``test_loss``, ``train_loss`` = mean local loss over the rounds since the last evaluation,
     each loss term, ``round_s`` = wall time per round of this evaluation block including the
     evaluation, ``elapsed_s`` = time since this process's loop began, ``total_s`` = the same

@@ -1,6 +1,7 @@
 """Client algorithms through the engine: every objective runs, MOON's state table, FedRCL's
 objective decreases, BatchNorm/TwinNorm statistics travel with the model."""
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -28,8 +29,7 @@ def test_every_algorithm_runs_a_round_and_matches_sequential(toy, name):
     state, metrics = jax.jit(exp.run_round)(exp.state, exp.data)
     np.testing.assert_array_equal(metrics["clients"], clients)
     np.testing.assert_allclose(metrics["client_loss"], losses, rtol=1e-5, atol=1e-6)
-    for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(mean), strict=True):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+    chex.assert_trees_all_close(state.params, mean, rtol=1e-5, atol=1e-5)
     assert np.isfinite(float(metrics["loss"]))
 
 
@@ -45,14 +45,11 @@ def test_moon_state_table_holds_exactly_the_sampled_clients_models(toy):
         row = jax.tree.map(lambda t, c=c: np.asarray(t[c]), prev_params)
         if c in sampled:
             trained = results[clients.tolist().index(c)][0]
-            for a, b in zip(jax.tree.leaves(row), jax.tree.leaves(trained), strict=True):
-                np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+            chex.assert_trees_all_close(row, trained, rtol=1e-5, atol=1e-6)
             assert not np.allclose(jax.tree.leaves(row)[0],
                                    np.asarray(jax.tree.leaves(init_params)[0][c]))
         else:  # untouched: still the initial global model
-            for a, b in zip(jax.tree.leaves(row), jax.tree.leaves(exp.state.params),
-                            strict=True):
-                np.testing.assert_array_equal(a, np.asarray(b))
+            chex.assert_trees_all_equal(row, exp.state.params)
 
 
 def test_moon_uses_previous_model_as_negative(toy):
@@ -119,9 +116,7 @@ def test_normalizations_train_through_the_engine(toy, norm, algorithm):
         _, results = sequential_local_updates(exp, exp.state)
         stats = [r[1] for r in results]
         expected = jax.tree.map(lambda *xs: np.mean(xs, axis=0), *stats)  # iid: equal sizes
-        for a, b in zip(jax.tree.leaves(state.model_state), jax.tree.leaves(expected),
-                        strict=True):
-            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+        chex.assert_trees_all_close(state.model_state, expected, rtol=1e-5, atol=1e-6)
         assert not np.allclose(jax.tree.leaves(state.model_state)[0],
                                jax.tree.leaves(exp.state.model_state)[0])
     ev = jax.jit(exp.evaluate)(state.params, state.model_state, exp.test)
@@ -160,8 +155,5 @@ def test_moon_two_rounds_vmapped_equal_a_client_by_client_loop_with_its_own_tabl
             prev = jax.tree.leaves(table)[0]
             glob = np.asarray(jax.tree.leaves(ref.params)[0])
             assert all(not np.allclose(prev[c], glob) for c in range(4))
-    for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(ref.params), strict=True):
-        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
-    for a, b in zip(jax.tree.leaves(state.client_states), jax.tree.leaves(ref.client_states),
-                    strict=True):
-        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+    chex.assert_trees_all_close(state.params, ref.params, rtol=1e-4, atol=1e-5)
+    chex.assert_trees_all_close(state.client_states, ref.client_states, rtol=1e-4, atol=1e-5)

@@ -2,6 +2,7 @@
 against hand counts, levels and blocks as their docstrings say, entering after each block
 reproduces the forward pass, and the depthwise convolutions agree with XLA's."""
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -94,7 +95,12 @@ def test_known_counts():
     assert _resnet50() == 23_520_842  # the usual CIFAR ResNet-50 (torchvision blocks)
 
 
-@pytest.mark.parametrize("name", sorted(CASES))
+# The large backbones' structure checks (20-40 s each on 2 cores) run in the slow step.
+_SLOW_BACKBONES = {"mobilenet_v2", "resnet50", "shufflenet", "shufflenet_v2", "squeezenet"}
+
+
+@pytest.mark.parametrize("name", [
+    pytest.param(n, marks=pytest.mark.slow) if n in _SLOW_BACKBONES else n for n in sorted(CASES)])
 def test_structure_levels_and_blocks(name):
     kw, count, level_widths = CASES[name]
     model = model_fns(get_model(name, num_classes=10, conv_impl="native", **kw))
@@ -129,8 +135,7 @@ def test_mobilenet_depthwise_path_equals_xla_grouped_convolution():
         outs[impl] = jax.jit(jax.value_and_grad(loss))(params)
     (a, ga), (b, gb) = outs["patches"], outs["native"]
     np.testing.assert_allclose(float(a), float(b), rtol=1e-5)
-    for u, v in zip(jax.tree.leaves(ga), jax.tree.leaves(gb), strict=True):
-        np.testing.assert_allclose(np.asarray(u), np.asarray(v), rtol=1e-3, atol=1e-5)
+    chex.assert_trees_all_close(ga, gb, rtol=1e-3, atol=1e-5)
 
 
 def test_channel_shuffle_and_average_pool_match_pytorch_semantics():

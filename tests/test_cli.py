@@ -139,4 +139,21 @@ def test_tiny_run_beats_chance(tmp_path, capsys):
     assert rows[-1]["train_loss"] < rows[0]["train_loss"]
     assert (run / "accuracy.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "rounds: 12" in (run / "config.yaml").read_text()
-    assert "compiled in" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "compiled in" in out
+    # Not on a terminal: one plain line per evaluation, with its rate and ETA.
+    lines = [x for x in out.splitlines() if x.startswith("round ")]
+    assert [x.split()[1] for x in lines] == ["4/12", "8/12", "12/12"]
+    assert all("rounds/s" in x and "ETA" in x for x in lines)
+    assert lines[-1].endswith("ETA 0m00s")
+
+
+def test_progress_line_rate_and_eta():
+    from fedjax_rcl.training import progress_line
+
+    record = {"round": 30, "train_loss": 1.5, "test_accuracy": 0.4, "test_accuracy_ema": 0.35}
+    # 20 rounds in 40 s: 0.5 rounds/s, 70 rounds left -> 140 s.
+    line = progress_line(record, 100, 20, 40.0)
+    assert line == ("round 30/100  train loss 1.5000  test acc 0.4000 (EMA 0.3500)  "
+                    "0.50 rounds/s  ETA 2m20s")
+    assert progress_line(record, 10_000, 20, 40.0).endswith("ETA 5h32m")  # 9970 rounds at 0.5/s

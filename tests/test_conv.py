@@ -1,6 +1,7 @@
 """The oneDNN, patch and row convolutions equal XLA's native convolution (values and
 gradients)."""
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -87,8 +88,7 @@ def test_models_agree_across_conv_impls(name):
         if impl == "onednn" and not onednn.available():
             continue
         got = jax.jit(get_model(name, num_classes=10, conv_impl=impl).apply)(params, x)
-        for u, v in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
-            np.testing.assert_allclose(u, v, atol=1e-5, rtol=1e-5)
+        chex.assert_trees_all_close(got, want, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("impl", sorted(IMPLS))

@@ -38,9 +38,7 @@ def test_vmapped_round_equals_sequential_clients(toy, kw):
     new_state, metrics = jax.jit(exp.run_round)(state, exp.data)
     np.testing.assert_array_equal(np.asarray(metrics["clients"]), clients)
     np.testing.assert_allclose(np.asarray(metrics["client_loss"]), losses, rtol=1e-5, atol=1e-6)
-    for a, b in zip(jax.tree.leaves(new_state.params), jax.tree.leaves(expected_params),
-                    strict=True):
-        np.testing.assert_allclose(np.asarray(a), b, rtol=1e-5, atol=1e-5)
+    chex.assert_trees_all_close(new_state.params, expected_params, rtol=1e-5, atol=1e-5)
     assert int(new_state.round) == 1
     if "balanced" in kw:
         sizes = np.asarray(exp.data.client_sizes)
@@ -96,8 +94,7 @@ def test_fused_rounds_equal_single_rounds(toy):
         state, m = one(state, exp.data)
         losses.append(float(m["loss"]))
     np.testing.assert_allclose(np.asarray(metrics["loss"]), losses, rtol=1e-5)
-    for a, b in zip(jax.tree.leaves(fused.params), jax.tree.leaves(state.params), strict=True):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    chex.assert_trees_all_close(fused.params, state.params, rtol=1e-5, atol=1e-6)
 
 
 def test_sampling_depends_only_on_seed_round_client():

@@ -2,6 +2,7 @@
 forward passes of models spliced from local and global blocks (values and gradients), and its
 section is validated (a model that cannot be entered in the middle is refused)."""
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -108,8 +109,7 @@ def test_gradient_flows_through_the_global_blocks_into_the_local_ones():
         return cross_entropy(main, batch.labels) + jnp.mean(jnp.stack(ces))
 
     got, want = jax.grad(objective)(local), jax.grad(spliced)(local)
-    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-4, atol=1e-6)
+    chex.assert_trees_all_close(got, want, rtol=2e-4, atol=1e-6)
     assert float(jnp.abs(got["stem_conv"]["kernel"]).max()) > 0
 
 

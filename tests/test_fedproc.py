@@ -2,6 +2,7 @@
 last epoch, the server divides the sums over the round's clients, and next round every client
 trains against those prototypes."""
 
+import chex
 import jax
 import numpy as np
 from engine_reference import sequential_local_updates, sequential_round
@@ -34,6 +35,5 @@ def test_prototypes_are_the_reported_class_means_and_drive_round_two(toy):
     mean, clients, losses = sequential_round(exp, state)
     new_state, metrics = step(state, exp.data)
     np.testing.assert_allclose(metrics["client_loss"], losses, rtol=1e-5, atol=1e-6)
-    for a, b in zip(jax.tree.leaves(new_state.params), jax.tree.leaves(mean), strict=True):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+    chex.assert_trees_all_close(new_state.params, mean, rtol=1e-5, atol=1e-5)
     assert float(metrics["proto"]) > 0

@@ -9,6 +9,7 @@ import sys
 import warnings
 from pathlib import Path
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -91,8 +92,7 @@ def test_results_are_deterministic():
     first = jax.tree.map(np.asarray, f(x, w))
     for _ in range(3):
         again = jax.tree.map(np.asarray, f(x, w))
-        for a, b in zip(jax.tree.leaves(again), jax.tree.leaves(first), strict=True):
-            np.testing.assert_array_equal(a, b)
+        chex.assert_trees_all_equal(again, first)
 
 
 @needs_onednn
@@ -176,6 +176,7 @@ def test_failed_build_is_reported_and_leaves_no_library(monkeypatch, tmp_path):
     assert not list(Path(tmp_path / "cache" / "ext").glob("*.so"))
 
 
+@pytest.mark.slow
 @needs_onednn
 def test_build_is_cached_by_content(monkeypatch, tmp_path):
     """The same inputs reuse the cached library; another source builds another one."""

@@ -42,6 +42,7 @@ ARGS = ["dataset=digits", "num_clients=10", "participation=0.5", "local_epochs=1
         "partition=iid", "--no-progress"]
 
 
+@pytest.mark.slow
 def test_custom_algorithm_trains_resumes_and_evaluates(user_dir, capsys):
     run = user_dir / "run"
     status = main(["train", "plugins=[my_algorithms]", "algorithm=label_smoothing",
@@ -63,6 +64,7 @@ def test_custom_algorithm_trains_resumes_and_evaluates(user_dir, capsys):
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["round"] == 4
 
 
+@pytest.mark.slow
 def test_readme_model_with_dropout_trains_resumes_and_evaluates(tmp_path, monkeypatch,
                                                                 capsys):
     """The README's own model (an MLP with dropout, whose key the engine supplies) under the

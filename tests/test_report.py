@@ -28,6 +28,7 @@ def _ema(run, r):
     return next(x["test_accuracy_ema"] for x in rows if x["round"] == r)
 
 
+@pytest.mark.slow
 def test_two_runs_table_and_figures(runs, tmp_path, capsys):
     out = tmp_path / "rep"
     assert main(["report", str(runs["avg"]), str(runs["rcl"]), "--out", str(out),
@@ -44,6 +45,7 @@ def test_two_runs_table_and_figures(runs, tmp_path, capsys):
     assert not (out / "beta_sweep.png").exists()
 
 
+@pytest.mark.slow
 def test_beta_sweep_when_runs_differ_only_in_beta(runs, tmp_path):
     out = tmp_path / "rep"
     assert main(["report", str(runs["rcl"]), str(runs["rcl-b05"]), "--out", str(out)]) == 0

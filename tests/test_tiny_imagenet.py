@@ -133,6 +133,7 @@ def test_missing_archive_says_where_it_looked(tmp_path, monkeypatch):
         check_dataset_spec("tiny_imagenet")
 
 
+@pytest.mark.slow
 def test_trains_from_the_command_line(tmp_path, capsys):
     files, _ = _archive()
     data_dir = _write(tmp_path / "data", files, as_zip=True)
