@@ -1,5 +1,6 @@
 """Command line: ``fedjax-rcl train [CONFIG.yaml] [key=value ...]``, ``resume RUN_DIR``,
-``eval RUN_DIR``, ``partition [CONFIG.yaml] [key=value ...]``.
+``eval RUN_DIR``, ``partition [CONFIG.yaml] [key=value ...]``, ``mfcl [CONFIG.yaml]
+[key=value ...]`` (MFCL's two phases and linear probe; ``resume`` continues it too).
 
 Every configuration or data problem is reported before anything is compiled, one line per
 problem naming the field, the value and what is allowed, with exit status 2 and no traceback.
@@ -56,6 +57,12 @@ def parser() -> argparse.ArgumentParser:
     rep.add_argument("--out", default="report", help="output directory (default: report)")
     rep.add_argument("--at", nargs="+", type=int, default=[], metavar="ROUND",
                      help="rounds to tabulate (default: the last round every run reached)")
+    m = sub.add_parser("mfcl", help="MFCL: federated client-module training, the server's "
+                       "contrastive training on the clients' representations, linear probe")
+    _config_args(m)
+    m.add_argument("--no-progress", action="store_true", help="(accepted; MFCL prints lines)")
+    m.add_argument("--print-config", action="store_true",
+                   help="print the resolved config and exit")
     s = sub.add_parser("partition", help="partition statistics and a clients x classes plot")
     _config_args(s)
     s.add_argument("--plot", default="partition.png", help="where to save the plot (PNG)")
@@ -134,6 +141,15 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(evaluate_run(args.run_dir)))
             return 0
         path, overrides = _split_config_args(args.args)
+        if args.command == "mfcl":
+            from fedjax_rcl.mfcl.run import MFCL_DEFAULTS, run_mfcl
+
+            cfg = load_config(path, overrides, defaults=MFCL_DEFAULTS)
+            if args.print_config:
+                print(to_yaml(cfg), end="")
+                return 0
+            run_mfcl(cfg)
+            return 0
         cfg = load_config(path, overrides)
         if args.command == "train":
             if args.print_config:

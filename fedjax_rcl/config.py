@@ -191,8 +191,10 @@ def _plugins_named(layers: list, overrides: list[str]) -> list:
     return plugins
 
 
-def load_config(path: str | None = None, overrides: list[str] | tuple[str, ...] = ()) -> CoreConfig:
-    """Defaults <- YAML file <- ``key=value`` overrides, type-checked; then ``validate``.
+def load_config(path: str | None = None, overrides: list[str] | tuple[str, ...] = (), *,
+                defaults: dict | None = None) -> CoreConfig:
+    """Defaults <- ``defaults`` (a command's own, e.g. ``mfcl``'s) <- YAML file <-
+    ``key=value`` overrides, type-checked; then ``validate``.
 
     The modules named in ``plugins`` are imported first (they may register what the rest of
     the config names).
@@ -203,7 +205,7 @@ def load_config(path: str | None = None, overrides: list[str] | tuple[str, ...] 
     """
     from fedjax_rcl import registry
 
-    layers = []
+    layers = [OmegaConf.create(defaults)] if defaults else []
     if path is not None:
         try:
             loaded = OmegaConf.load(path)

@@ -154,8 +154,12 @@ def build(cfg: CoreConfig, dataset: ImageDataset | None = None, *,
         augment=cfg.augment,
         num_classes=dataset.num_classes,
     )
-    opt = client_optimizer(cfg.lr, clip_norm=cfg.clip_norm, weight_decay=cfg.weight_decay,
-                           momentum=cfg.momentum)
+    if algorithm.optimizer is not None:  # the algorithm prescribes its own (MFCL: Adam)
+        opt = algorithm.optimizer(cfg.lr, clip_norm=cfg.clip_norm,
+                                  weight_decay=cfg.weight_decay)
+    else:
+        opt = client_optimizer(cfg.lr, clip_norm=cfg.clip_norm, weight_decay=cfg.weight_decay,
+                               momentum=cfg.momentum)
     sopt = server_optimizer(cfg)
     local_update = make_local_update(model, algorithm, opt, settings,
                                      penalty=sopt.client_penalty, penalty_name=sopt.penalty_name)

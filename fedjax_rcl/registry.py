@@ -84,6 +84,8 @@ class AlgorithmEntry:
       model_kwargs: ``settings -> dict`` of extra model arguments (MOON's projection head).
       origin: the ``plugins`` module whose import registered it (None: built in, an installed
         entry point, or registered by the running program itself); see ``provided_by``.
+      command: the command that runs it (``train``; ``mfcl`` for MFCL's two phases, whose
+        client algorithm is only phase 1).
     """
 
     name: str
@@ -93,6 +95,7 @@ class AlgorithmEntry:
     num_views: int = 1
     model_kwargs: Callable[[Any], dict] = _no_kwargs
     origin: str | None = None
+    command: str = "train"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,7 +175,7 @@ def _add(table: dict, entry, kind: str, replace: bool) -> None:
 def register_algorithm(name: str, build: Callable, *, config: type | None = None,
                        section: str | None = None, num_views: int = 1,
                        model_kwargs: Callable[[Any], dict] | None = None,
-                       replace: bool = False) -> AlgorithmEntry:
+                       command: str = "train", replace: bool = False) -> AlgorithmEntry:
     """Makes ``algorithm=name`` available (see ``AlgorithmEntry`` for the arguments)."""
     section = section or (name if config is not None else None)
     if section in RESERVED_KEYS:
@@ -188,7 +191,7 @@ def register_algorithm(name: str, build: Callable, *, config: type | None = None
             raise ValueError(f"algorithm {name!r}: section {section!r} belongs to "
                              f"{other.name!r} with another config type")
     entry = AlgorithmEntry(name, build, config, section, num_views,
-                           model_kwargs or _no_kwargs, _importing_plugin)
+                           model_kwargs or _no_kwargs, _importing_plugin, command)
     _add(ALGORITHMS, entry, "algorithm", replace)
     return entry
 

@@ -21,7 +21,7 @@ import jax
 import numpy as np
 from flax import struct
 
-from fedjax_rcl import interrupts, rundir
+from fedjax_rcl import interrupts, registry, rundir
 from fedjax_rcl.checkpoint import Checkpointer, Restored
 from fedjax_rcl.config import (
     RESUME_SAFE_KEYS,
@@ -290,6 +290,10 @@ def train(cfg: CoreConfig, *, dataset: ImageDataset | None = None, progress: boo
     summed over the run's processes, resumes included), ``checkpoints/`` (Orbax; round 0, every
     ``checkpoint_every`` rounds and the last) and ``accuracy.png``.
     """
+    command = registry.algorithm(cfg.algorithm).command
+    if command != "train":
+        raise ConfigError([f"algorithm={cfg.algorithm!r}: runs with 'fedjax-rcl {command}' "
+                           "(train runs the client algorithms)"])
     _join_cluster(cfg)
     log = log if is_primary() else _silent
     run_dir = rundir.resolve_new(cfg)
@@ -336,6 +340,19 @@ def resume(run_dir: str | Path, overrides=(), *, force: bool = False,
     """
     run_dir = Path(run_dir)
     saved, cfg = _load_run_config(run_dir, overrides)
+    if registry.algorithm(cfg.algorithm).command == "mfcl":
+        from fedjax_rcl.mfcl.run import resume_mfcl
+
+        changed = changed_keys(saved, cfg)
+        if changed and not force:
+            raise ConfigError([f"resume: {', '.join(changed)} would change the run's results; "
+                               "pass --force to continue anyway"])
+        with rundir.locked(run_dir):
+            interrupts.set_status(f"run_dir {run_dir}: unchanged; continue with: fedjax-rcl "
+                                  f"resume {run_dir}")
+            with interrupts.critical():
+                _write(run_dir / "config.yaml", to_yaml(cfg))
+            return resume_mfcl(run_dir, cfg, force=force, dataset=dataset, log=log)
     _join_cluster(cfg)
     with rundir.locked(run_dir, enabled=is_primary()):
         interrupts.set_status(f"run_dir {run_dir}: unchanged; continue with: fedjax-rcl resume "

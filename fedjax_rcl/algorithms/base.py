@@ -90,6 +90,10 @@ class ClientAlgorithm:
       server_message: ``summed_reports -> message``, what the server broadcasts next round
         from the reports summed over the round's clients (``LocalContext.server_message``);
         before the first round it is built from all-zero reports.
+      optimizer: ``(learning_rate, clip_norm, weight_decay) -> optax transformation`` when
+        the algorithm prescribes its client optimizer (MFCL's phase 1: Adam), wrapped in
+        ``optax.inject_hyperparams`` so the engine sets the learning rate per step; None: the
+        configured SGD (``engine.client.client_optimizer``).
     """
 
     name: str
@@ -99,3 +103,4 @@ class ClientAlgorithm:
     update_client_state: Callable[[ClientState, Params, ModelState], ClientState] = _keep_state
     report: Callable[[ModelOutput, Batch], Any] | None = None
     server_message: Callable[[Any], Any] | None = None
+    optimizer: Callable[..., Any] | None = None

@@ -32,7 +32,8 @@ from fedjax_rcl.models.vgg import VGG9
 
 
 def get_model(name: str, *, num_classes: int, conv_impl: str = "auto", norm: str = "group",
-              projection_dim: int | None = None, width: int | None = None) -> nn.Module:
+              projection_dim: int | None = None, width: int | None = None,
+              **extra) -> nn.Module:
     """Builds a registered model (``fedjax_rcl.registry``) by its config name.
 
     Args:
@@ -43,10 +44,12 @@ def get_model(name: str, *, num_classes: int, conv_impl: str = "auto", norm: str
       norm: normalization kind for models that have one (the CNN has none).
       projection_dim: add a MOON projection head with this output size.
       width: channels of a ResNet's first stage (stages ``w, 2w, 4w, 8w``); None: 64.
+      extra: model-specific arguments an algorithm asks for (``AlgorithmEntry.model_kwargs``,
+        e.g. MFCL's ``group_size``).
     """
     entry = registry.model(name)
     return entry.build(num_classes, conv_impl=conv_impl, norm=norm, width=width,
-                       projection_dim=projection_dim)
+                       projection_dim=projection_dim, **extra)
 
 
 __all__ = [

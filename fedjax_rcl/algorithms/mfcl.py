@@ -1,0 +1,131 @@
+"""MFCL's phase 1: clients train the client module by reconstruction; and MFCL's settings.
+
+Motamedi & Kim, "Modular Federated Contrastive Learning with Twin Normalization for
+Resource-limited Clients" (MFCL), TMLR. Resource-limited clients train only a small client
+module (ResNet-18's first two 3x3 convolutions with a mirrored decoder) by reconstruction; the
+server then trains the rest of the network on the clients' representations with a contrastive
+loss (``fedjax_rcl.mfcl``). This module is phase 1's local objective, binary cross-entropy
+between the reconstruction and the input pixels in [0, 1]:
+
+.. math::
+    \\ell(w) = \\frac{1}{2K\\,HWC} \\sum_{i, p}
+      -\\big[x_{i,p} \\log \\sigma(\\hat x_{i,p})
+      + (1 - x_{i,p}) \\log (1 - \\sigma(\\hat x_{i,p}))\\big]
+
+over the 2K rows of a batch of K view pairs (Twin Normalization needs the pairs, SPEC §7), and
+the ``mfcl`` config section (phase 2, the probe, the client module's group size). The engine
+runs phase 1 as any client algorithm (clients vmapped, local steps scanned, one program per
+round); ``algorithm=mfcl`` is therefore refused by ``train`` and run by ``fedjax-rcl mfcl``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import optax
+
+from fedjax_rcl import registry
+from fedjax_rcl.algorithms.base import ClientAlgorithm
+from fedjax_rcl.config import finite
+
+
+def reconstruction_bce(logits: jax.Array, images: jax.Array) -> jax.Array:
+    """Mean binary cross-entropy of ``sigmoid(logits)`` against pixels ``images`` in [0, 1]
+    (any shape; numerically stable form, optax's ``sigmoid_binary_cross_entropy``)."""
+    return optax.sigmoid_binary_cross_entropy(logits, images).mean()
+
+
+@dataclasses.dataclass
+class MfclConfig:
+    """MFCL's settings besides the core keys (which set phase 1: ``rounds``, ``local_epochs``,
+    ``batch_size`` = K view pairs, ``lr`` of Adam, ``num_clients`` = M, ``alpha`` = xi,
+    ``norm`` = bn | gn | tn of the client module).
+
+    Defaults follow MFCL / SimCLR where they say (LARS, cosine schedule from lr 1.0, NT-Xent
+    temperature 0.5, projection to 128) and are CPU-sized where they are a budget (server
+    epochs, width). The client module's group normalisation uses ``group_size`` channels per
+    group (2 groups of 64 channels by default).
+    """
+
+    group_size: int = 32  # channels per group of GN / TN in the client module and decoder
+    rho: int = 1  # augmented view pairs each client sends per sample in phase 2
+    delta: float = 0.0  # probability that a client drops out of phase 2
+    server_epochs: int = 20  # phase 2 passes over the representations the server received
+    server_batch_size: int = 256  # view pairs per server step
+    server_lr: float = 1.0  # LARS peak learning rate (cosine decay to 0 over phase 2)
+    server_weight_decay: float = 1e-6
+    server_width: int = 64  # the server ResNet-18's first-stage channels (w, 2w, 4w, 8w)
+    projection_dim: int = 128
+    temperature: float = 0.5  # NT-Xent
+    blur: bool = False  # Gaussian blur among the augmentations (MFCL: Tiny-ImageNet)
+    probe_epochs: int = 30  # linear probe on frozen features: epochs of Adam
+    probe_lr: float = 1e-3
+    probe_batch_size: int = 256
+    # Train on a random subset of this many training samples (seeded by ``seed``); 0: all.
+    train_samples: int = 0
+
+    def check(self, ctx: registry.CheckContext) -> list[str]:
+        p = []
+        if self.group_size < 1 or 64 % self.group_size:
+            p.append(f"group_size={self.group_size!r}: must divide the client module's 64 "
+                     "channels (1, 2, 4, 8, 16, 32 or 64)")
+        if self.rho < 1:
+            p.append(f"rho={self.rho!r}: must be >= 1")
+        if not (finite(self.delta) and 0 <= self.delta < 1):
+            p.append(f"delta={self.delta!r}: must be in [0, 1)")
+        for name in ("server_epochs", "server_batch_size", "projection_dim", "probe_epochs",
+                     "probe_batch_size"):
+            if getattr(self, name) < 1:
+                p.append(f"{name}={getattr(self, name)!r}: must be >= 1")
+        if self.server_width < 2 or self.server_width % 2:
+            p.append(f"server_width={self.server_width!r}: must be an even number >= 2")
+        for name in ("server_lr", "temperature", "probe_lr"):
+            v = getattr(self, name)
+            if not (finite(v) and v > 0):
+                p.append(f"{name}={v!r}: must be a finite number > 0")
+        if not (finite(self.server_weight_decay) and self.server_weight_decay >= 0):
+            p.append(f"server_weight_decay={self.server_weight_decay!r}: must be >= 0")
+        if self.train_samples < 0:
+            p.append(f"train_samples={self.train_samples!r}: must be >= 0 (0: all)")
+        if ctx.algorithm == "mfcl" and ctx.model != "mfcl_autoencoder":
+            p.append(f"model={ctx.model!r}: MFCL's phase 1 trains model=mfcl_autoencoder")
+        return p
+
+
+def adam_client_optimizer(learning_rate: float, *, clip_norm: float | None,
+                          weight_decay: float) -> optax.GradientTransformation:
+    """MFCL's client optimizer, Adam (optax defaults b1 0.9, b2 0.999, eps 1e-8), after the
+    configured clipping and weight decay (both off in MFCL's defaults); learning rate
+    injectable per step."""
+
+    def make(learning_rate):
+        parts = []
+        if clip_norm:
+            parts.append(optax.clip_by_global_norm(clip_norm))
+        if weight_decay:
+            parts.append(optax.add_decayed_weights(weight_decay))
+        return optax.chain(*parts, optax.adam(learning_rate))
+
+    return optax.inject_hyperparams(make)(learning_rate=learning_rate)
+
+
+def mfcl_reconstruction() -> ClientAlgorithm:
+    """Phase 1's local objective: reconstruct both views of each sample (pixels in [0, 1]),
+    trained with Adam."""
+
+    def objective(out, params, batch, ctx):
+        del params, ctx
+        bce = reconstruction_bce(out.logits, batch.images)
+        return bce, {"bce": bce}
+
+    return ClientAlgorithm(name="mfcl", objective=objective, num_views=2,
+                           optimizer=adam_client_optimizer)
+
+
+registry.register_algorithm(
+    "mfcl", lambda settings, model: mfcl_reconstruction(), config=MfclConfig, num_views=2,
+    model_kwargs=lambda s: {"group_size": s.group_size}, command="mfcl")
+
+__all__ = ["MfclConfig", "adam_client_optimizer", "mfcl_reconstruction",
+           "reconstruction_bce"]

@@ -1,0 +1,387 @@
+"""``fedjax-rcl mfcl``: MFCL end to end — phase 1 (federated reconstruction), phase 2 (the
+server's contrastive training on the clients' representations), the linear probe, and the
+resource figures — in one run directory that resumes in either phase (SPEC §7, §9).
+
+Build -> loop -> record, as ``training``: phase 1 is the engine's compiled round
+(``experiment.build`` with ``algorithm=mfcl``, ``model=mfcl_autoencoder``: clients vmapped,
+local steps scanned, one program per round); phase 2 is one compiled program per server epoch
+(``mfcl.phase2``); the probe one more (``mfcl.probe``). The run directory holds
+``config.yaml``, ``metrics.jsonl`` (a line per phase-1 evaluation ``{"phase": 1, "round", ...}``,
+per server epoch ``{"phase": 2, "epoch", ...}`` and the probe's ``{"phase": "probe",
+"linear_probe_accuracy", ...}``), ``checkpoints/phase1`` and ``checkpoints/phase2`` (Orbax) and
+``resources.json``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fedjax_rcl import interrupts, registry, rundir
+from fedjax_rcl.algorithms.mfcl import reconstruction_bce
+from fedjax_rcl.checkpoint import Checkpointer
+from fedjax_rcl.config import ConfigError, CoreConfig, config_digest, to_yaml
+from fedjax_rcl.data import ImageDataset, load_dataset
+from fedjax_rcl.data.augment import normalize
+from fedjax_rcl.engine.sharding import put_replicated, to_host
+from fedjax_rcl.experiment import Experiment, build
+from fedjax_rcl.metrics.resources import format_resources, mfcl_resources
+from fedjax_rcl.mfcl import phase2
+from fedjax_rcl.mfcl.probe import linear_probe
+from fedjax_rcl.models.mfcl import ClientModule, ServerModel
+from fedjax_rcl.rundir import atomic_write_text
+
+# What ``fedjax-rcl mfcl`` starts from before the YAML file and the overrides: MFCL's phase-1
+# setting (Adam 1e-3, batches of 64 view pairs, 10 clients all taking part, Dirichlet split
+# of MOON's kind, 15 rounds; Twin Normalization).
+MFCL_DEFAULTS = {
+    "algorithm": "mfcl", "model": "mfcl_autoencoder", "norm": "twin", "num_clients": 10,
+    "participation": 1.0, "partition": "dirichlet", "alpha": 0.01, "balanced": False,
+    "rounds": 15, "local_epochs": 1, "batch_size": 64, "lr": 1e-3, "lr_decay": 1.0,
+    "momentum": 0.0, "weight_decay": 0.0, "clip_norm": 0.0, "aggregation": "size",
+    "checkpoint_every": 5,
+}
+_PROBE_STREAM = 15
+
+
+def mfcl_dataset(cfg: CoreConfig, dataset: ImageDataset | None = None) -> ImageDataset:
+    """The data MFCL trains on: pixels in [0, 1] (phase 1 reconstructs them; the
+    normalisation is the client module's), three channels (the colour augmentations of phase
+    2 need them; grey images are replicated), and a random subset of ``mfcl.train_samples``
+    training samples when set."""
+    ds = dataset or load_dataset(cfg.dataset, data_dir=cfg.data_dir)
+    train_x, train_y, test_x = ds.train_images, ds.train_labels, ds.test_images
+    n = cfg.mfcl.train_samples
+    if n and n < len(train_y):
+        keep = np.sort(np.random.default_rng(cfg.seed).permutation(len(train_y))[:n])
+        train_x, train_y = train_x[keep], train_y[keep]
+    if train_x.shape[-1] == 1:
+        train_x, test_x = (np.repeat(x, 3, axis=-1) for x in (train_x, test_x))
+    c = train_x.shape[-1]
+    return dataclasses.replace(ds, train_images=train_x, train_labels=train_y,
+                               test_images=test_x, mean=(0.0,) * c, std=(1.0,) * c)
+
+
+def _reconstruction_eval(exp: Experiment):
+    """``(params, model_state, test) -> {"loss"}``: mean BCE of the test reconstructions."""
+
+    def evaluate(params, model_state, test):
+        def one(batch):
+            images, _, mask = batch
+            x = normalize(images, exp.dataset.mean, exp.dataset.std)
+            out, _ = exp.model.apply(params, model_state, x, train=False)
+            per = jax.vmap(reconstruction_bce)(out.logits, x)
+            return jnp.sum(jnp.where(mask, per, 0.0))
+
+        total = jax.lax.map(one, (test.images, test.labels, test.mask))
+        return {"loss": jnp.sum(total) / jnp.sum(test.mask)}
+
+    return jax.jit(evaluate)
+
+
+def _encoder(exp: Experiment, norm: str):
+    """The frozen client module of a phase-1 model: ``(params, model_state) -> encode(x,
+    paired)`` where ``paired`` makes Twin Normalization take rows i and i + K together."""
+    ae = exp.model.module
+    client = ClientModule(ae.norm, ae.group_size, ae.conv_impl)
+
+    def make(params, model_state):
+        # The autoencoder's "client" submodule's variables, every collection.
+        variables = {"params": params["client"],
+                     **{k: v["client"] for k, v in model_state.items()}}
+
+        def encode(x, paired):
+            # Twin Normalization: the client computes each pair's representations together;
+            # BatchNorm and GroupNorm use their evaluation form (running statistics).
+            return client.apply(variables, x, train=paired and norm == "twin")
+
+        return encode
+
+    return make
+
+
+class _Log:
+    """metrics.jsonl as lines come (never a torn line) and the console line."""
+
+    def __init__(self, run_dir: Path, log):
+        self.path, self.log = run_dir / "metrics.jsonl", log
+
+    def write(self, record: dict) -> None:
+        with interrupts.critical(), open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+            f.flush()
+
+
+def _status(run_dir: Path, where: str) -> None:
+    interrupts.set_status(f"run_dir {run_dir}: last complete checkpoint: {where}; continue "
+                          f"with: fedjax-rcl resume {run_dir}")
+
+
+def _save(ckpt: Checkpointer, run_dir: Path, step: int, tree, meta: dict, where: str) -> None:
+    with interrupts.critical():
+        ckpt.save(step, tree, meta)
+        ckpt.wait()
+    _status(run_dir, where)
+
+
+def _phase1(exp: Experiment, run_dir: Path, state, done: int, out: _Log, log) -> object:
+    cfg = exp.cfg
+    ckpt = Checkpointer(run_dir / "checkpoints" / "phase1", keep=cfg.keep_checkpoints)
+    try:
+        if done == 0 and not ckpt.steps():
+            _save(ckpt, run_dir, 0, state, {"round": 0, "config_digest": config_digest(cfg)},
+                  "phase 1 round 0")
+        if done >= cfg.rounds:
+            return state
+        log("phase 1: compiling the round (clients x local steps, one program)...")
+        t0 = time.perf_counter()
+        n_eval = put_replicated(np.int32(cfg.eval_every), exp.mesh)
+        fused = exp.run_rounds.lower(state, exp.data, n_eval).compile()
+        evaluate = _reconstruction_eval(exp)
+        log(f"compiled in {time.perf_counter() - t0:.1f} s")
+        start, first, last_saved = time.perf_counter(), done, done
+        while done < cfg.rounds:
+            n = min(cfg.eval_every - done % cfg.eval_every, cfg.rounds - done)
+            t = time.perf_counter()
+            state, metrics = fused(state, exp.data, put_replicated(np.int32(n), exp.mesh))
+            metrics = {k: np.asarray(v)[:n] for k, v in to_host(metrics).items()}
+            test_bce = float(to_host(evaluate(state.params, state.model_state,
+                                              exp.test))["loss"])
+            done += n
+            train = float(np.mean(metrics["loss"]))
+            if not np.isfinite(train):
+                raise ConfigError([f"phase 1: non-finite reconstruction loss at round {done}"])
+            out.write({"phase": 1, "round": done, "train_bce": train, "test_bce": test_bce,
+                       "round_s": round((time.perf_counter() - t) / n, 3)})
+            rate = (done - first) / (time.perf_counter() - start)
+            log(f"phase 1 round {done}/{cfg.rounds}  train BCE {train:.4f}  test BCE "
+                f"{test_bce:.4f}  {rate:.2f} rounds/s")
+            if done == cfg.rounds or (cfg.checkpoint_every
+                                      and done - last_saved >= cfg.checkpoint_every):
+                last_saved = done
+                _save(ckpt, run_dir, done, state,
+                      {"round": done, "config_digest": config_digest(cfg)},
+                      f"phase 1 round {done}")
+        return state
+    finally:
+        ckpt.close()
+
+
+def _represent_all(exp: Experiment, encode, pool: np.ndarray, chunk: int = 250) -> jax.Array:
+    """The representation pairs the kept clients send: ``[2P, h, w, c]``, first views then
+    second views (row i and row i + P a pair), computed in chunks of ``chunk`` draws."""
+    cfg = exp.cfg.mfcl
+    represent = jax.jit(phase2.make_representations(encode, paired=True, blur=cfg.blur))
+    images = jnp.asarray(exp.dataset.train_images)
+    key = jax.random.PRNGKey(exp.cfg.seed)
+    firsts, seconds = [], []
+    for s in range(0, len(pool), chunk):
+        rows = pool[s:s + chunk]
+        if len(rows) < chunk:  # one compiled shape: pad the last chunk, drop the padding
+            rows = np.concatenate([rows, np.repeat(rows[-1:], chunk - len(rows), 0)])
+        r = represent(key, images[rows[:, 0]], jnp.asarray(rows))
+        m = min(chunk, len(pool) - s)
+        firsts.append(r[:m])
+        seconds.append(r[chunk:chunk + m])
+    return jnp.concatenate(firsts + seconds)
+
+
+def _phase2(exp: Experiment, run_dir: Path, encode, restored, out: _Log, log):
+    cfg, m = exp.cfg, exp.cfg.mfcl
+    key = jax.random.PRNGKey(cfg.seed)
+    kept = phase2.kept_clients(key, cfg.num_clients, m.delta)
+    pool = phase2.sample_pool(exp.parts, kept, m.rho)
+    log(f"phase 2: {len(kept)} of {cfg.num_clients} clients send {m.rho} view pair(s) per "
+        f"sample: {len(pool)} representation pairs")
+    t0 = time.perf_counter()
+    reps = _represent_all(exp, encode, pool)
+    log(f"representations {tuple(reps.shape)} in {time.perf_counter() - t0:.1f} s")
+    batch = min(m.server_batch_size, len(pool))
+    steps = len(pool) // batch
+    model = ServerModel(width=m.server_width, projection_dim=m.projection_dim,
+                        conv_impl=cfg.conv_impl)
+    tx = phase2.server_optimizer(m.server_lr, m.server_weight_decay, steps * m.server_epochs)
+    state = phase2.init_server_training(model, key, reps.shape[1:], tx)
+    ckpt = Checkpointer(run_dir / "checkpoints" / "phase2", keep=cfg.keep_checkpoints)
+    try:
+        if restored is not None:
+            got = ckpt.restore_latest(state)
+            if got is not None:
+                state = got.state
+        done = int(state.epoch)
+        if done == 0 and not ckpt.steps():
+            _save(ckpt, run_dir, 0, state, {"epoch": 0, "config_digest": config_digest(cfg)},
+                  "phase 2 epoch 0")
+        if done < m.server_epochs:
+            epoch = jax.jit(phase2.make_server_epoch(model, tx, batch_size=batch,
+                                                     temperature=m.temperature),
+                            donate_argnums=0)
+            log(f"phase 2: compiling the server epoch ({steps} steps of {batch} pairs)...")
+            t = time.perf_counter()
+            epoch = epoch.lower(state, reps, key).compile()
+            log(f"compiled in {time.perf_counter() - t:.1f} s")
+        start, first = time.perf_counter(), done
+        while done < m.server_epochs:
+            t = time.perf_counter()
+            state, loss = epoch(state, reps, key)
+            loss = float(loss)
+            done += 1
+            if not np.isfinite(loss):
+                raise ConfigError([f"phase 2: non-finite NT-Xent loss at epoch {done}"])
+            out.write({"phase": 2, "epoch": done, "server_loss": loss,
+                       "epoch_s": round(time.perf_counter() - t, 3)})
+            rate = (done - first) / (time.perf_counter() - start)
+            log(f"phase 2 epoch {done}/{m.server_epochs}  NT-Xent {loss:.4f}  "
+                f"{rate:.2f} epochs/s")
+            if done == m.server_epochs or (cfg.checkpoint_every
+                                           and done % cfg.checkpoint_every == 0):
+                _save(ckpt, run_dir, done, state,
+                      {"epoch": done, "config_digest": config_digest(cfg)},
+                      f"phase 2 epoch {done}")
+        return model, state
+    finally:
+        ckpt.close()
+
+
+def _probe(exp: Experiment, encode, model, state, chunk: int = 500) -> dict:
+    """Linear probe on the frozen features (client module, then the server network; the
+    projection head is dropped, as SimCLR evaluates)."""
+    cfg = exp.cfg
+    variables = {"params": state.params, "batch_stats": state.batch_stats}
+
+    @jax.jit
+    def features(images):
+        x = images.astype(jnp.float32) / 255.0
+        embedding, _ = model.apply(variables, encode(x, False), train=False)
+        return embedding
+
+    def all_features(images):
+        parts = []
+        for s in range(0, len(images), chunk):
+            block = images[s:s + chunk]
+            pad = chunk - len(block)
+            if pad:
+                block = np.concatenate([block, np.repeat(block[-1:], pad, 0)])
+            parts.append(np.asarray(features(jnp.asarray(block)))[:chunk - pad])
+        return np.concatenate(parts)
+
+    ds = exp.dataset
+    m = cfg.mfcl
+    return linear_probe(all_features(ds.train_images), ds.train_labels,
+                        all_features(ds.test_images), ds.test_labels,
+                        num_classes=ds.num_classes, epochs=m.probe_epochs, lr=m.probe_lr,
+                        batch_size=m.probe_batch_size,
+                        key=jax.random.fold_in(jax.random.PRNGKey(cfg.seed), _PROBE_STREAM))
+
+
+def _resources(exp: Experiment) -> dict:
+    cfg = exp.cfg
+    h, w = exp.dataset.image_shape[:2]
+    return mfcl_resources(num_samples_per_client=[len(p) for p in exp.parts], image_hw=(h, w),
+                          phase1_rounds=cfg.rounds, local_epochs=cfg.local_epochs,
+                          rho=cfg.mfcl.rho, delta=cfg.mfcl.delta, batch_size=cfg.batch_size,
+                          norm=cfg.norm)
+
+
+def _describe(exp: Experiment, run_dir: Path) -> str:
+    cfg = exp.cfg
+    return (f"run_dir: {run_dir}  |  {cfg.dataset}: {len(exp.dataset.train_labels)} train / "
+            f"{len(exp.dataset.test_labels)} test  |  MFCL, client module norm={cfg.norm}, "
+            f"{cfg.num_clients} clients (alpha {cfg.alpha})  |  backend {jax.default_backend()}")
+
+
+def _loop(exp: Experiment, run_dir: Path, state, done1: int, phase2_started: bool, log) -> dict:
+    out = _Log(run_dir, log)
+    state = _phase1(exp, run_dir, state, done1, out, log)
+    encode = _encoder(exp, exp.cfg.norm)(state.params, state.model_state)
+    model, server = _phase2(exp, run_dir, encode, phase2_started or None, out, log)
+    log("linear probe on the frozen features...")
+    probe = _probe(exp, encode, model, server)
+    resources = _resources(exp)
+    with interrupts.critical():
+        atomic_write_text(run_dir / "resources.json", json.dumps(resources, indent=1) + "\n")
+    record = {"phase": "probe", **probe}
+    out.write(record)
+    log(f"linear probe accuracy {probe['linear_probe_accuracy']:.4f} (train "
+        f"{probe['linear_probe_train_accuracy']:.4f})")
+    log(format_resources(resources))
+    return {**record, "run_dir": str(run_dir)}
+
+
+def run_mfcl(cfg: CoreConfig, *, dataset: ImageDataset | None = None,
+             log: Callable[[str], None] = print) -> dict:
+    """Runs MFCL from scratch (``cfg.algorithm == "mfcl"``); returns the probe's record."""
+    if cfg.algorithm != "mfcl":
+        raise ConfigError([f"algorithm={cfg.algorithm!r}: the mfcl command runs algorithm=mfcl"])
+    run_dir = rundir.resolve_new(cfg)
+    exp = build(cfg, mfcl_dataset(cfg, dataset))
+    run_dir = rundir.create_new(cfg, run_dir)
+    with rundir.locked(run_dir, new_run=True):
+        interrupts.set_status(f"run_dir {run_dir}: no complete checkpoint yet; continue "
+                              f"with: fedjax-rcl resume {run_dir}")
+        with interrupts.critical():
+            atomic_write_text(run_dir / "config.yaml", to_yaml(cfg))
+        log(_describe(exp, run_dir))
+        return _loop(exp, run_dir, exp.state, 0, False, log)
+
+
+def _trim_metrics(path: Path, done1: int, done2: int) -> None:
+    """Keeps the lines up to the checkpoints being resumed from (phase-1 round ``done1``,
+    phase-2 epoch ``done2``); the probe's line goes (it is recomputed)."""
+    if not path.exists():
+        return
+    keep = []
+    for line in path.read_text().splitlines():
+        try:
+            r = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a torn last line of a killed process
+        if (r.get("phase") == 1 and r["round"] <= done1) or (
+                r.get("phase") == 2 and r["epoch"] <= done2):
+            keep.append(line)
+    atomic_write_text(path, "".join(f"{x}\n" for x in keep))
+
+
+def resume_mfcl(run_dir: Path, cfg: CoreConfig, *, force: bool = False,
+                dataset: ImageDataset | None = None, log: Callable[[str], None] = print) -> dict:
+    """Continues an MFCL run in whichever phase it stopped; identical to an uninterrupted
+    run (called by ``training.resume`` for runs whose algorithm is ``mfcl``)."""
+    exp = build(cfg, mfcl_dataset(cfg, dataset))
+    ckpt = Checkpointer(run_dir / "checkpoints" / "phase1", keep=cfg.keep_checkpoints)
+    try:
+        restored = ckpt.restore_latest(exp.state)
+    finally:
+        ckpt.close()
+    state, done1 = (exp.state, 0) if restored is None else (restored.state, restored.step)
+    if (restored is not None and restored.meta.get("config_digest") != config_digest(cfg)
+            and not force):
+        raise ConfigError([f"resume: the checkpoint in {run_dir} was written with a different "
+                           "config than config.yaml now holds"])
+    p2 = Checkpointer(run_dir / "checkpoints" / "phase2", keep=cfg.keep_checkpoints)
+    try:
+        steps2 = p2.steps()
+    finally:
+        p2.close()
+    started2 = done1 >= cfg.rounds and bool(steps2)
+    done2 = steps2[-1] if started2 else 0
+    with interrupts.critical():
+        _trim_metrics(run_dir / "metrics.jsonl", done1, done2)
+        (run_dir / "resources.json").unlink(missing_ok=True)
+    where = f"phase 2 epoch {done2}" if started2 else f"phase 1 round {done1}"
+    _status(run_dir, where)
+    log(_describe(exp, run_dir))
+    log(f"resuming from the checkpoint of {where}")
+    return _loop(exp, run_dir, state, done1, started2, log)
+
+
+def is_mfcl(cfg: CoreConfig) -> bool:
+    """Whether the config's algorithm runs with the ``mfcl`` command."""
+    entry = registry.ALGORITHMS.get(cfg.algorithm)
+    return entry is not None and entry.command == "mfcl"
