@@ -297,6 +297,7 @@ def train(cfg: CoreConfig, *, dataset: ImageDataset | None = None, progress: boo
     _join_cluster(cfg)
     log = log if is_primary() else _silent
     run_dir = rundir.resolve_new(cfg)
+    log(f"loading data: {cfg.dataset} ...")
     exp = build(cfg, dataset)  # data-dependent checks happen here, still before any compile
     run_dir = rundir.create_new(cfg, run_dir)
     with rundir.locked(run_dir, enabled=is_primary(), new_run=True):
@@ -368,6 +369,7 @@ def _resume_locked(run_dir: Path, saved: CoreConfig, cfg: CoreConfig, *, force: 
         raise ConfigError([f"resume: {', '.join(changed)} would change the run's results "
                            f"(only {', '.join(RESUME_SAFE_KEYS)} may change); pass --force to "
                            "continue anyway"])
+    log(f"loading data: {cfg.dataset} ...")
     exp = build(cfg, dataset)
     ckpt = Checkpointer(run_dir / "checkpoints", keep=cfg.keep_checkpoints)
     restored = ckpt.restore_latest(checkpoint_tree(exp, exp.state),

@@ -39,7 +39,8 @@ def main() -> None:
     out = Path(args.out)
     (out / "runs").mkdir(parents=True, exist_ok=True)
     rows = []
-    for algorithm, server in _runs(args.only or list(registry.ALGORITHMS),
+    trainable = [n for n, e in registry.ALGORITHMS.items() if e.command == "train"]
+    for algorithm, server in _runs(args.only or trainable,
                                    list(registry.SERVER_OPTIMIZERS)):
         name = f"{algorithm}-{server}"
         run_dir = out / "runs" / name

@@ -321,6 +321,7 @@ def run_mfcl(cfg: CoreConfig, *, dataset: ImageDataset | None = None,
     if cfg.algorithm != "mfcl":
         raise ConfigError([f"algorithm={cfg.algorithm!r}: the mfcl command runs algorithm=mfcl"])
     run_dir = rundir.resolve_new(cfg)
+    log(f"loading data: {cfg.dataset} ...")
     exp = build(cfg, mfcl_dataset(cfg, dataset))
     run_dir = rundir.create_new(cfg, run_dir)
     with rundir.locked(run_dir, new_run=True):
@@ -353,6 +354,7 @@ def resume_mfcl(run_dir: Path, cfg: CoreConfig, *, force: bool = False,
                 dataset: ImageDataset | None = None, log: Callable[[str], None] = print) -> dict:
     """Continues an MFCL run in whichever phase it stopped; identical to an uninterrupted
     run (called by ``training.resume`` for runs whose algorithm is ``mfcl``)."""
+    log(f"loading data: {cfg.dataset} ...")
     exp = build(cfg, mfcl_dataset(cfg, dataset))
     ckpt = Checkpointer(run_dir / "checkpoints" / "phase1", keep=cfg.keep_checkpoints)
     try:
