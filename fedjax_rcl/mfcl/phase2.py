@@ -47,8 +47,8 @@ class ServerTraining:
 
 def kept_clients(key: jax.Array, num_clients: int, delta: float) -> np.ndarray:
     """Which clients send representations: each drops out with probability ``delta``
-    (independently, from the run's key); at least one is kept (the first kept by a
-    re-draw would change nothing else, so the lowest-indexed client is kept instead)."""
+    (independently, from the run's key). If every client dropped out, client 0 is kept, so
+    that the server has something to train on."""
     u = np.asarray(jax.random.uniform(jax.random.fold_in(key, _DROPOUT_STREAM), (num_clients,)))
     kept = u >= delta
     if not kept.any():

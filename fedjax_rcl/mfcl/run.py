@@ -107,16 +107,11 @@ def _encoder(exp: Experiment, norm: str):
     return make
 
 
-class _Log:
-    """metrics.jsonl as lines come (never a torn line) and the console line."""
-
-    def __init__(self, run_dir: Path, log):
-        self.path, self.log = run_dir / "metrics.jsonl", log
-
-    def write(self, record: dict) -> None:
-        with interrupts.critical(), open(self.path, "a") as f:
-            f.write(json.dumps(record) + "\n")
-            f.flush()
+def _append(run_dir: Path, record: dict) -> None:
+    """One ``metrics.jsonl`` line as it comes (never a torn line)."""
+    with interrupts.critical(), open(run_dir / "metrics.jsonl", "a") as f:
+        f.write(json.dumps(record) + "\n")
+        f.flush()
 
 
 def _status(run_dir: Path, where: str) -> None:
@@ -131,7 +126,7 @@ def _save(ckpt: Checkpointer, run_dir: Path, step: int, tree, meta: dict, where:
     _status(run_dir, where)
 
 
-def _phase1(exp: Experiment, run_dir: Path, state, done: int, out: _Log, log) -> object:
+def _phase1(exp: Experiment, run_dir: Path, state, done: int, log) -> object:
     cfg = exp.cfg
     ckpt = Checkpointer(run_dir / "checkpoints" / "phase1", keep=cfg.keep_checkpoints)
     try:
@@ -158,7 +153,7 @@ def _phase1(exp: Experiment, run_dir: Path, state, done: int, out: _Log, log) ->
             train = float(np.mean(metrics["loss"]))
             if not np.isfinite(train):
                 raise ConfigError([f"phase 1: non-finite reconstruction loss at round {done}"])
-            out.write({"phase": 1, "round": done, "train_bce": train, "test_bce": test_bce,
+            _append(run_dir, {"phase": 1, "round": done, "train_bce": train, "test_bce": test_bce,
                        "round_s": round((time.perf_counter() - t) / n, 3)})
             rate = (done - first) / (time.perf_counter() - start)
             log(f"phase 1 round {done}/{cfg.rounds}  train BCE {train:.4f}  test BCE "
@@ -193,7 +188,7 @@ def _represent_all(exp: Experiment, encode, pool: np.ndarray, chunk: int = 250) 
     return jnp.concatenate(firsts + seconds)
 
 
-def _phase2(exp: Experiment, run_dir: Path, encode, restored, out: _Log, log):
+def _phase2(exp: Experiment, run_dir: Path, encode, resuming: bool, log):
     cfg, m = exp.cfg, exp.cfg.mfcl
     key = jax.random.PRNGKey(cfg.seed)
     kept = phase2.kept_clients(key, cfg.num_clients, m.delta)
@@ -211,7 +206,7 @@ def _phase2(exp: Experiment, run_dir: Path, encode, restored, out: _Log, log):
     state = phase2.init_server_training(model, key, reps.shape[1:], tx)
     ckpt = Checkpointer(run_dir / "checkpoints" / "phase2", keep=cfg.keep_checkpoints)
     try:
-        if restored is not None:
+        if resuming:
             got = ckpt.restore_latest(state)
             if got is not None:
                 state = got.state
@@ -235,7 +230,7 @@ def _phase2(exp: Experiment, run_dir: Path, encode, restored, out: _Log, log):
             done += 1
             if not np.isfinite(loss):
                 raise ConfigError([f"phase 2: non-finite NT-Xent loss at epoch {done}"])
-            out.write({"phase": 2, "epoch": done, "server_loss": loss,
+            _append(run_dir, {"phase": 2, "epoch": done, "server_loss": loss,
                        "epoch_s": round(time.perf_counter() - t, 3)})
             rate = (done - first) / (time.perf_counter() - start)
             log(f"phase 2 epoch {done}/{m.server_epochs}  NT-Xent {loss:.4f}  "
@@ -298,17 +293,16 @@ def _describe(exp: Experiment, run_dir: Path) -> str:
 
 
 def _loop(exp: Experiment, run_dir: Path, state, done1: int, phase2_started: bool, log) -> dict:
-    out = _Log(run_dir, log)
-    state = _phase1(exp, run_dir, state, done1, out, log)
+    state = _phase1(exp, run_dir, state, done1, log)
     encode = _encoder(exp, exp.cfg.norm)(state.params, state.model_state)
-    model, server = _phase2(exp, run_dir, encode, phase2_started or None, out, log)
+    model, server = _phase2(exp, run_dir, encode, phase2_started, log)
     log("linear probe on the frozen features...")
     probe = _probe(exp, encode, model, server)
     resources = _resources(exp)
     with interrupts.critical():
         atomic_write_text(run_dir / "resources.json", json.dumps(resources, indent=1) + "\n")
     record = {"phase": "probe", **probe}
-    out.write(record)
+    _append(run_dir, record)
     log(f"linear probe accuracy {probe['linear_probe_accuracy']:.4f} (train "
         f"{probe['linear_probe_train_accuracy']:.4f})")
     log(format_resources(resources))
