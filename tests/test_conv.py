@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from jax import lax
 
-from fedjax_rcl.models import get_model
+from fedjax_rcl.models import get_model, model_fns
 from fedjax_rcl.nn import max_pool, onednn
 from fedjax_rcl.nn.conv import (
     cpu_conv_general_dilated,
@@ -82,7 +82,8 @@ def test_models_agree_across_conv_impls(name):
     """Whole models (logits and every feature level) agree within 1e-5 for both implementations."""
     x = jax.random.uniform(jax.random.PRNGKey(2), (2, 32, 32, 3))
     native = get_model(name, num_classes=10, conv_impl="native")
-    params = native.init(jax.random.PRNGKey(3), x)
+    weights, state = model_fns(native).init(jax.random.PRNGKey(3), x)  # jitted: eager is slow
+    params = {"params": weights, **state}
     want = jax.jit(native.apply)(params, x)
     for impl in IMPLS:
         if impl == "onednn" and not onednn.available():

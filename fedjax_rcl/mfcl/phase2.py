@@ -106,13 +106,13 @@ def server_optimizer(lr: float, weight_decay: float, total_steps: int
 def init_server_training(model, key: jax.Array, rep_shape: tuple[int, ...],
                          tx: optax.GradientTransformation) -> ServerTraining:
     """The server model's initial state on representations of shape ``rep_shape``."""
-    # Jitted (eagerly every layer's initialiser compiles on its own), from an "rbg" key drawn
-    # from the run's: XLA:CPU compiles ResNet-18's initialisers in ~7 s with it against ~35 s
-    # with threefry (2 shared AVX2 cores, 2026-11-25).
-    seed = jax.random.randint(jax.random.fold_in(key, _SERVER_INIT_STREAM), (), 0, 2**31 - 1)
+    # Jitted (eagerly every layer's initialiser compiles on its own), and with threefry's
+    # non-partitionable bit layout, as `models.model_fns` initialises (a 2-3x shorter XLA:CPU
+    # compile; the same weights on every backend).
     init = jax.jit(lambda k, x: model.init(k, x, train=False))
-    variables = init(jax.random.key(int(seed), impl="rbg"),
-                     jnp.zeros((2, *rep_shape), jnp.float32))
+    with jax.threefry_partitionable(False):
+        variables = init(jax.random.fold_in(key, _SERVER_INIT_STREAM),
+                         jnp.zeros((2, *rep_shape), jnp.float32))
     params = variables["params"]
     return ServerTraining(params=params, batch_stats=variables.get("batch_stats", {}),
                           opt_state=tx.init(params), epoch=jnp.zeros((), jnp.int32))
