@@ -54,12 +54,48 @@ def test_moon_state_table_holds_exactly_the_sampled_clients_models(toy):
             chex.assert_trees_all_equal(row, exp.state.params)
 
 
-def test_moon_uses_previous_model_as_negative(toy):
-    """Round 0: global == previous model, so the MOON term is exactly log 2."""
-    exp = build(_cfg(algorithm="moon", local_epochs=1), toy)
-    _, results = sequential_local_updates(exp, exp.state)
-    # The mean over steps starts at log 2 and can only move once the local model changes.
-    assert all(float(r[3]["moon"]) <= np.log(2) + 1e-4 for r in results)
+def test_moon_term_uses_this_clients_previous_model(toy):
+    """One local step from a table of four different previous models: the local model still
+    equals the global one at that step, so the MOON term is mean_i softplus((cos(z_g, z_prev)
+    - 1) / tau) with z_prev from THIS client's row. Checked against NumPy on the model's
+    projections, for every client; a term computed with the global model (log 2) or with
+    another client's row would not match."""
+    exp = build(_cfg(algorithm="moon", num_clients=4, participation=1.0, augment=False,
+                     batch_size=60), toy)  # 60 images per client: one step of the whole client
+    keys = iter(jax.random.split(jax.random.PRNGKey(7), 64))
+    table = jax.tree.map(  # each client's previous model: the global one, perturbed its own way
+        lambda t: t + 0.3 * jnp.std(t) * jax.random.normal(next(keys), t.shape),
+        exp.state.client_states)
+    state = exp.state.replace(client_states=table)
+    clients, results = sequential_local_updates(exp, state)
+    # The engine's round reads the same rows: its clients' terms equal the loop's.
+    _, metrics = jax.jit(exp.run_round)(state, exp.data)
+    np.testing.assert_allclose(metrics["client_loss"], [float(r[3]["loss"]) for r in results],
+                               rtol=1e-5)
+    prev_params, prev_state = table
+    model, tau = exp.model, exp.cfg.moon.temperature
+    mean, std = np.asarray(toy.mean, np.float32), np.asarray(toy.std, np.float32)
+
+    def unit_projection(params, model_state, images):
+        out, _ = model.apply(params, model_state, jnp.asarray(images), train=False)
+        z = np.asarray(out.projection, np.float64)
+        return z / np.linalg.norm(z, axis=-1, keepdims=True)
+
+    expected = {}
+    for c in range(4):
+        idx = np.asarray(exp.data.client_indices[c])[:int(exp.data.client_sizes[c])]
+        images = (toy.train_images[idx].astype(np.float32) / 255 - mean) / std
+        z_g = unit_projection(state.params, state.model_state, images)
+        rows = [jax.tree.map(lambda t, k=k: t[k], (prev_params, prev_state)) for k in range(4)]
+        z_p = [unit_projection(*row, images) for row in rows]
+        expected[c] = [np.mean(np.logaddexp(0, (np.sum(z_g * z, -1) - 1) / tau)) for z in z_p]
+    for j, c in enumerate(clients.tolist()):
+        got = float(results[j][3]["moon"])
+        assert got == pytest.approx(expected[c][c], rel=1e-4)
+        assert abs(got - np.log(2)) > 1e-3  # the global model as negative would give log 2
+        for k in range(4):  # every other client's previous model gives another value
+            if k != c:
+                assert got != pytest.approx(expected[c][k], rel=1e-4)
 
 
 def _fixed_batch(toy, n=32):
