@@ -289,6 +289,11 @@ RESUME_SAFE_KEYS = ("rounds", "checkpoint_every", "keep_checkpoints", "eval_batc
                     *(f"tracking.{f.name}" for f in dataclasses.fields(TrackingConfig)))
 
 
+# Settings added after runs existed, with the value that reproduces those runs: left out of
+# the digest while they hold it, so that the runs' checkpoints still resume.
+DIGEST_NEUTRAL_DEFAULTS = {"mfcl.bn_statistics": "running"}
+
+
 def _flat(d: dict, prefix: str = "") -> dict:
     out = {}
     for k, v in d.items():
@@ -321,7 +326,8 @@ def _result_settings(cfg: CoreConfig) -> dict:
             flat.update(_flat(dataclasses.asdict(value), f"{f.name}."))
         elif f.name != "plugins":
             flat[f.name] = value
-    return {k: v for k, v in flat.items() if k not in RESUME_SAFE_KEYS}
+    return {k: v for k, v in flat.items() if k not in RESUME_SAFE_KEYS
+            and not (k in DIGEST_NEUTRAL_DEFAULTS and v == DIGEST_NEUTRAL_DEFAULTS[k])}
 
 
 def changed_keys(old: CoreConfig, new: CoreConfig) -> list[str]:
@@ -403,7 +409,7 @@ def _validate_sections(cfg: CoreConfig, p: list[str]) -> None:
 
     model = registry.MODELS.get(cfg.model)
     ctx = registry.CheckContext(cfg.model, model.num_levels if model else None,
-                                model.num_blocks if model else None, cfg.algorithm)
+                                model.num_blocks if model else None, cfg.algorithm, cfg.norm)
     sections = [(f.name, getattr(cfg, f.name)) for f in dataclasses.fields(cfg)
                 if f.name not in ("server", "distributed")
                 and dataclasses.is_dataclass(getattr(cfg, f.name))]

@@ -56,12 +56,14 @@ class CheckContext(NamedTuple):
         unknown model).
       algorithm: the configured algorithm (every section is checked, the active one or not:
         a check about the model's abilities applies only when its algorithm runs).
+      norm: the configured normalisation (``norm``) of the models that offer a choice.
     """
 
     model: str
     num_levels: int | None
     num_blocks: int | None = None
     algorithm: str | None = None
+    norm: str | None = None
 
 
 def _no_kwargs(settings) -> dict:

@@ -28,3 +28,19 @@ def test_digest_covers_the_sections_in_use_only():
 ])
 def test_legacy_digest_is_what_checkpoints_before_the_registry_carry(overrides, digest):
     assert legacy_config_digest(load_config(None, overrides)) == digest
+
+
+@pytest.mark.parametrize("overrides,digest", [
+    # Computed by the code of commit a22deca, before mfcl.bn_statistics existed.
+    ([], "312c4ff782b9954d"),
+    (["norm=batch", "mfcl.rho=2"], "db0f75bb7c96e658"),
+])
+def test_a_setting_added_later_keeps_older_runs_digest_at_its_default(overrides, digest):
+    from fedjax_rcl.mfcl.run import MFCL_DEFAULTS
+
+    cfg = load_config(None, overrides, defaults=MFCL_DEFAULTS)
+    assert config_digest(cfg) == digest
+    if "norm=batch" in overrides:
+        other = load_config(None, [*overrides, "mfcl.bn_statistics=batch"],
+                            defaults=MFCL_DEFAULTS)
+        assert config_digest(other) != digest

@@ -125,10 +125,57 @@ def test_command_line_runs_and_resumes(tmp_path, capsys):
 
 def test_bad_input_and_train_refuses_mfcl(tmp_path, capsys):
     assert main(["mfcl", "mfcl.rho=0", "mfcl.delta=1.5", "norm=layer",
-                 f"run_dir={tmp_path / 'x'}"]) == 2
+                 "mfcl.bn_statistics=mean", f"run_dir={tmp_path / 'x'}"]) == 2
     err = capsys.readouterr().err
     assert "mfcl.rho=0" in err and "mfcl.delta=1.5" in err and "norm" in err
+    assert "mfcl.bn_statistics='mean'" in err and "'running' or 'batch'" in err
+    assert main(["mfcl", "norm=twin", "mfcl.bn_statistics=batch",
+                 f"run_dir={tmp_path / 'x'}"]) == 2
+    assert "bn_statistics='batch' applies to a BatchNorm client module" in \
+        capsys.readouterr().err
     assert main(["train", "algorithm=mfcl", "model=mfcl_autoencoder", "norm=twin",
                  f"run_dir={tmp_path / 'y'}"]) == 2
     assert "fedjax-rcl mfcl" in capsys.readouterr().err
     assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
+
+
+def test_batch_statistics_representations_are_each_clients_own_batches():
+    """mfcl.bn_statistics=batch: a BatchNorm client module normalises each client's batches
+    of batch_size pairs by their own statistics, never mixing clients; the default (running
+    statistics) gives each sample's representation on its own."""
+    from fedjax_rcl.experiment import build
+    from fedjax_rcl.mfcl.run import _encoder, _represent_all, mfcl_dataset
+
+    cfg = load_config(None, [*TINY, "norm=batch", "mfcl.bn_statistics=batch"],
+                      defaults=MFCL_DEFAULTS)
+    exp = build(cfg, mfcl_dataset(cfg))
+    encode = _encoder(exp, "batch")(exp.state.params, exp.state.model_state)
+    kept = np.arange(cfg.num_clients)
+    pool = phase2.sample_pool(exp.parts, kept, rho=2)
+    sizes = [len(exp.parts[k]) for k in kept]
+    assert min(sizes) > 0 and max(sizes) > cfg.batch_size  # several batches per client
+    reps = np.asarray(_represent_all(exp, encode, pool, sizes * 2))
+    p = len(pool)
+    assert reps.shape[0] == 2 * p
+    # The expected batches, from the clients' parts: each client's draws, batch_size at a time.
+    represent = phase2.make_representations(encode, paired=True, blur=False)
+    images = jnp.asarray(exp.dataset.train_images)
+    key = jax.random.PRNGKey(cfg.seed)
+    start = 0
+    for size in sizes * 2:
+        for s in range(start, start + size, cfg.batch_size):
+            e = min(s + cfg.batch_size, start + size)
+            rows = pool[s:e]
+            want = np.asarray(represent(key, images[rows[:, 0]], jnp.asarray(rows)))
+            np.testing.assert_allclose(reps[s:e], want[:e - s], rtol=1e-4, atol=1e-4)
+            np.testing.assert_allclose(reps[p + s:p + e], want[e - s:], rtol=1e-4, atol=1e-4)
+        start += size
+    # Running statistics: another result, in which a sample does not depend on its batch.
+    cfg_running = load_config(None, [*TINY, "norm=batch"], defaults=MFCL_DEFAULTS)
+    exp.cfg = cfg_running
+    running = _encoder(exp, "batch")(exp.state.params, exp.state.model_state)
+    alone = np.asarray(_represent_all(exp, running, pool, sizes * 2))
+    assert np.abs(alone - reps).max() > 1e-2
+    one = np.asarray(phase2.make_representations(running, paired=True, blur=False)(
+        key, images[pool[:1, 0]], jnp.asarray(pool[:1])))
+    np.testing.assert_allclose(alone[[0, p]], one, rtol=1e-4, atol=1e-4)

@@ -64,6 +64,12 @@ class MfclConfig:
     probe_batch_size: int = 256
     # Train on a random subset of this many training samples (seeded by ``seed``); 0: all.
     train_samples: int = 0
+    # How a BatchNorm client module (norm=batch) computes the phase-2 representations:
+    # "running": its evaluation form (running statistics, each sample on its own, as TN and GN
+    # are batch-independent); "batch": as in training, each client normalising batches of
+    # ``batch_size`` of its own view pairs by their statistics (a client at small xi sees one
+    # or two classes per batch: the heterogeneity MFCL's Twin Normalization is meant to avoid).
+    bn_statistics: str = "running"
 
     def check(self, ctx: registry.CheckContext) -> list[str]:
         p = []
@@ -88,6 +94,11 @@ class MfclConfig:
             p.append(f"server_weight_decay={self.server_weight_decay!r}: must be >= 0")
         if self.train_samples < 0:
             p.append(f"train_samples={self.train_samples!r}: must be >= 0 (0: all)")
+        if self.bn_statistics not in ("running", "batch"):
+            p.append(f"bn_statistics={self.bn_statistics!r}: allowed 'running' or 'batch'")
+        elif self.bn_statistics == "batch" and ctx.algorithm == "mfcl" and ctx.norm != "batch":
+            p.append(f"bn_statistics='batch' applies to a BatchNorm client module; norm="
+                     f"{ctx.norm!r} has no batch statistics (set norm=batch or leave it out)")
         if ctx.algorithm == "mfcl" and ctx.model != "mfcl_autoencoder":
             p.append(f"model={ctx.model!r}: MFCL's phase 1 trains model=mfcl_autoencoder")
         return p

@@ -88,9 +88,12 @@ def _reconstruction_eval(exp: Experiment):
 
 def _encoder(exp: Experiment, norm: str):
     """The frozen client module of a phase-1 model: ``(params, model_state) -> encode(x,
-    paired)`` where ``paired`` makes Twin Normalization take rows i and i + K together."""
+    paired)`` where ``paired`` (a client computing its view pairs) makes Twin Normalization
+    take rows i and i + K together and, with ``mfcl.bn_statistics=batch``, BatchNorm use the
+    statistics of the batch ``x``."""
     ae = exp.model.module
     client = ClientModule(ae.norm, ae.group_size, ae.conv_impl)
+    batch_stats = norm == "batch" and exp.cfg.mfcl.bn_statistics == "batch"
 
     def make(params, model_state):
         # The autoencoder's "client" submodule's variables, every collection.
@@ -99,7 +102,10 @@ def _encoder(exp: Experiment, norm: str):
 
         def encode(x, paired):
             # Twin Normalization: the client computes each pair's representations together;
-            # BatchNorm and GroupNorm use their evaluation form (running statistics).
+            # GroupNorm, and BatchNorm by default, use their evaluation form (running
+            # statistics), which depends on no other sample.
+            if paired and batch_stats:  # training form; the running statistics stay frozen
+                return client.apply(variables, x, train=True, mutable=["batch_stats"])[0]
             return client.apply(variables, x, train=paired and norm == "twin")
 
         return encode
@@ -169,22 +175,36 @@ def _phase1(exp: Experiment, run_dir: Path, state, done: int, log) -> object:
         ckpt.close()
 
 
-def _represent_all(exp: Experiment, encode, pool: np.ndarray, chunk: int = 250) -> jax.Array:
+def _represent_all(exp: Experiment, encode, pool: np.ndarray, segments: list[int],
+                   chunk: int = 250) -> jax.Array:
     """The representation pairs the kept clients send: ``[2P, h, w, c]``, first views then
-    second views (row i and row i + P a pair), computed in chunks of ``chunk`` draws."""
+    second views (row i and row i + P a pair).
+
+    ``segments`` are the lengths of the pool's per-client runs (in pool order). A client
+    module whose output depends on the batch (``mfcl.bn_statistics=batch``) is run on each
+    client's own batches of ``batch_size`` pairs, as the client would; any other in padded
+    chunks of ``chunk`` pairs across clients (one compiled shape; the same result)."""
     cfg = exp.cfg.mfcl
     represent = jax.jit(phase2.make_representations(encode, paired=True, blur=cfg.blur))
     images = jnp.asarray(exp.dataset.train_images)
     key = jax.random.PRNGKey(exp.cfg.seed)
+    if exp.cfg.norm == "batch" and cfg.bn_statistics == "batch":
+        starts = np.cumsum([0, *segments])
+        batches = [(s, min(s + exp.cfg.batch_size, end))
+                   for start, end in zip(starts[:-1], starts[1:], strict=True)
+                   for s in range(start, end, exp.cfg.batch_size)]
+        pad = False  # a client's last batch is smaller (its own compiled shape)
+    else:
+        batches = [(s, min(s + chunk, len(pool))) for s in range(0, len(pool), chunk)]
+        pad = True
     firsts, seconds = [], []
-    for s in range(0, len(pool), chunk):
-        rows = pool[s:s + chunk]
-        if len(rows) < chunk:  # one compiled shape: pad the last chunk, drop the padding
-            rows = np.concatenate([rows, np.repeat(rows[-1:], chunk - len(rows), 0)])
+    for s, e in batches:
+        rows, m = pool[s:e], e - s
+        if pad and m < chunk:  # pad the last chunk, drop the padding
+            rows = np.concatenate([rows, np.repeat(rows[-1:], chunk - m, 0)])
         r = represent(key, images[rows[:, 0]], jnp.asarray(rows))
-        m = min(chunk, len(pool) - s)
         firsts.append(r[:m])
-        seconds.append(r[chunk:chunk + m])
+        seconds.append(r[len(rows):len(rows) + m])
     return jnp.concatenate(firsts + seconds)
 
 
@@ -196,7 +216,7 @@ def _phase2(exp: Experiment, run_dir: Path, encode, resuming: bool, log):
     log(f"phase 2: {len(kept)} of {cfg.num_clients} clients send {m.rho} view pair(s) per "
         f"sample: {len(pool)} representation pairs")
     t0 = time.perf_counter()
-    reps = _represent_all(exp, encode, pool)
+    reps = _represent_all(exp, encode, pool, [len(exp.parts[k]) for k in kept] * m.rho)
     log(f"representations {tuple(reps.shape)} in {time.perf_counter() - t0:.1f} s")
     batch = min(m.server_batch_size, len(pool))
     steps = len(pool) // batch

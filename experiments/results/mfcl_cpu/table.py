@@ -5,7 +5,8 @@ import statistics
 from pathlib import Path
 
 RUNS = Path("experiments/runs/mfcl_cpu")
-NORMS = (("twin", "TN"), ("group", "GN"), ("batch", "BN"))
+NORMS = (("twin", "TN"), ("group", "GN"), ("batch", "BN"),
+         ("batch-bnbatch", "BN, batch statistics in phase 2"))
 
 
 def last(rows, phase):
@@ -13,7 +14,7 @@ def last(rows, phase):
 
 
 def main():
-    seeds = sorted({0} | {int(p.name.rsplit("seed", 1)[1]) for p in RUNS.glob("*-seed*")})
+    seeds = sorted({0} | {int(p.name.rsplit("-seed", 1)[1]) for p in RUNS.glob("*-seed*")})
     result = {}
     for norm, _ in NORMS:
         for seed in seeds:
@@ -34,7 +35,8 @@ def main():
                 lines.append(f"| {label} | {seed} | {p1['test_bce']:.4f} | "
                              f"{p2['server_loss']:.4f} | {pr['linear_probe_accuracy']:.4f} | "
                              f"{pr['linear_probe_train_accuracy']:.4f} |")
-    lines += ["", "| client module norm | seeds | linear probe top-1, mean | sd |", "|---|---|---|---|"]
+    lines += ["", "| client module norm | seeds | linear probe top-1, mean | sd |",
+              "|---|---|---|---|"]
     for norm, label in NORMS:
         accs = [result[norm, s][2]["linear_probe_accuracy"] for s in seeds if (norm, s) in result]
         sd = f"{statistics.stdev(accs):.4f}" if len(accs) > 1 else "—"
