@@ -14,6 +14,7 @@ import dataclasses
 import hashlib
 import json
 import math
+import re
 from dataclasses import dataclass, field
 
 from omegaconf import OmegaConf
@@ -163,6 +164,10 @@ def _section_type(key: str):
     return cls
 
 
+_TYPE_WORDS = {"Integer": "an integer", "Float": "a number", "Boolean": "true or false",
+               "String": "a string"}
+
+
 def _format_key_error(err: OmegaConfBaseException) -> str:
     key = getattr(err, "full_key", None) or "?"
     if isinstance(err, ConfigKeyError):
@@ -171,6 +176,14 @@ def _format_key_error(err: OmegaConfBaseException) -> str:
         return f"{key}: unknown config key; allowed keys here: {allowed}"
     if isinstance(err, ValidationError):
         msg = str(getattr(err, "msg", err)).splitlines()[0]
+        # OmegaConf's "Value '1.5' of type 'float' could not be converted to Integer", said as
+        # the other messages say it: the field, the value, what is allowed.
+        m = re.fullmatch(r"Value '(.*)' of type '\w+' could not be converted to (\w+)", msg)
+        if m and m.group(2) in _TYPE_WORDS:
+            return f"{key}={m.group(1)}: must be {_TYPE_WORDS[m.group(2)]}"
+        m = re.fullmatch(r"Value '(.*)' is not a valid bool \(type \w+\)", msg)
+        if m:
+            return f"{key}={m.group(1)}: must be true or false"
         return f"{key}: {msg}"
     return f"{key}: {str(err).splitlines()[0]}"
 

@@ -82,8 +82,12 @@ def test_type_errors_and_value_errors_are_reported_together(capsys):
     assert main(["train", "lr=nan", "rounds=1.5", "seed=-1", "width=3"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 4, err
-    for field in ("lr=nan", "rounds", "seed=-1", "width=3"):
+    for field in ("lr=nan", "rounds=1.5", "seed=-1", "width=3"):
         assert sum(field in line for line in err) == 1, (field, err)
+    assert any("rounds=1.5: must be an integer" in line for line in err), err
+    assert main(["train", "augment=maybe", "lr=x"]) == 2
+    err = capsys.readouterr().err
+    assert "augment=maybe: must be true or false" in err and "lr=x: must be a number" in err
 
 
 def test_string_values_are_taken_verbatim(capsys):
