@@ -183,15 +183,19 @@ def test_moon_two_rounds_vmapped_equal_a_client_by_client_loop_with_its_own_tabl
         w = w / w.sum()
         mean = jax.tree.map(lambda *xs, w=w: sum(wi * x for wi, x in zip(w, xs, strict=True)),
                             *[res[0] for res in results])
-        ref = ref.replace(params=mean, client_states=jax.tree.map(jnp.asarray, table),
-                          round=ref.round + 1)
         state, metrics = jax.jit(exp.run_round)(state, exp.data)
         np.testing.assert_array_equal(metrics["clients"], clients)
         losses = [float(res[3]["loss"]) for res in results]
         np.testing.assert_allclose(metrics["client_loss"], losses, rtol=1e-5, atol=1e-6)
+        chex.assert_trees_all_close(state.params, mean, rtol=1e-5, atol=1e-6)
+        chex.assert_trees_all_close(state.client_states, table, rtol=1e-5, atol=1e-6)
+        # The loop goes on from the engine's global weights (equal to its own up to float
+        # reassociation in the weighted mean, ~1e-8) and its own table: MOON's round can turn
+        # a 1e-8 change of the starting weights into a loss step of 2^-15 (seen on an Intel
+        # AVX-512 machine at round 2), which would test float luck, not the table.
+        ref = ref.replace(params=state.params, client_states=jax.tree.map(jnp.asarray, table),
+                          round=ref.round + 1)
         if r == 0:  # round 2's negatives are real previous models, not the global one
             prev = jax.tree.leaves(table)[0]
-            glob = np.asarray(jax.tree.leaves(ref.params)[0])
+            glob = np.asarray(jax.tree.leaves(mean)[0])
             assert all(not np.allclose(prev[c], glob) for c in range(4))
-    chex.assert_trees_all_close(state.params, ref.params, rtol=1e-4, atol=1e-5)
-    chex.assert_trees_all_close(state.client_states, ref.client_states, rtol=1e-4, atol=1e-5)
