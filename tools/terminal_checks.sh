@@ -22,6 +22,21 @@ wait_for() {  # wait_for FILE PATTERN: until the pattern appears in the log (at 
   for _ in $(seq 600); do grep -q "$2" "$1" 2>/dev/null && return 0; sleep 0.1; done
   return 1
 }
+resume_and_compare() {  # resume_and_compare DIR: resume it, compare with the reference run
+  fedjax-rcl resume "$1" > "$1.resume.log" 2>&1
+  local rc=$? same="identical to the reference"
+  diff <(strip ref/metrics.jsonl) <(strip "$1/metrics.jsonl") > /dev/null \
+    || same="DIFFERS from the reference"
+  echo "  resume $1: exit $rc; metrics $same"
+}
+interrupt() {  # interrupt SIGNAL DIR PATTERN DELAY: train into DIR, signal it DELAY s after
+  fedjax-rcl train run_dir="$2" "${J[@]}" > "$2.log" 2>&1 &  # PATTERN appears in its log
+  local pid=$!
+  wait_for "$2.log" "$3"
+  sleep "$4"
+  kill "-$1" $pid
+  wait $pid
+}
 echo "machine: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2- | xargs), $(nproc) cores"
 echo "date: $(date -u +%Y-%m-%dT%H:%MZ)   code: $(git -C "$ROOT" rev-parse --short HEAD)"
 
@@ -33,55 +48,27 @@ echo "  exit $?; $(grep -c . ref/metrics.jsonl) evaluations"
 echo
 echo "== 1. SIGINT while compiling, 4 tries at different moments; then resume each"
 for i in 1 2 3 4; do
-  fedjax-rcl train run_dir=int$i "${J[@]}" > int$i.log 2>&1 &
-  pid=$!
-  wait_for int$i.log "compiling"
-  sleep "0.$((i * 2))"
-  kill -INT $pid
-  wait $pid
-  rc=$?
-  echo "  try $i: exit $rc; stderr/stdout ends: $(tail -2 int$i.log | tr '\n' ' ')"
+  interrupt INT int$i "compiling" "0.$((i * 2))"
+  echo "  try $i: exit $?; stderr/stdout ends: $(tail -2 int$i.log | tr '\n' ' ')"
 done
-for i in 1 2 3 4; do
-  fedjax-rcl resume int$i > int$i.resume.log 2>&1
-  rc=$?
-  if diff <(strip ref/metrics.jsonl) <(strip int$i/metrics.jsonl) > /dev/null; then
-    same="identical to the reference"; else same="DIFFERS from the reference"; fi
-  echo "  resume int$i: exit $rc; metrics $same"
-done
+for i in 1 2 3 4; do resume_and_compare int$i; done
 
 echo
 echo "== 2. SIGTERM during training, then resume"
-fedjax-rcl train run_dir=term "${J[@]}" > term.log 2>&1 &
-pid=$!
-wait_for term.log "round 5/"
-kill -TERM $pid
-wait $pid
+interrupt TERM term "round 5/" 0
 echo "  exit $?; ends: $(tail -1 term.log)"
-fedjax-rcl resume term > term.resume.log 2>&1
-rc=$?
-diff <(strip ref/metrics.jsonl) <(strip term/metrics.jsonl) > /dev/null && same=identical \
-  || same=DIFFERENT
-echo "  resume: exit $rc; metrics $same"
+resume_and_compare term
 
 echo
 echo "== 3. train into a run interrupted before its first evaluation"
-fedjax-rcl train run_dir=early "${J[@]}" > early.log 2>&1 &
-pid=$!
-wait_for early.log "compiling"
-kill -INT $pid
-wait $pid
+interrupt INT early "compiling" 0
 echo "  interrupted: exit $?"
 cp early/config.yaml early.config.before
 fedjax-rcl train run_dir=early "${J[@]}" lr=0.5 > early.again.log 2>&1
 echo "  train again into it: exit $?: $(cat early.again.log | tr '\n' ' ')"
 cmp -s early/config.yaml early.config.before && echo "  config.yaml unchanged" \
   || echo "  config.yaml CHANGED"
-fedjax-rcl resume early > early.resume.log 2>&1
-rc=$?
-diff <(strip ref/metrics.jsonl) <(strip early/metrics.jsonl) > /dev/null && same=identical \
-  || same=DIFFERENT
-echo "  resume: exit $rc; metrics $same"
+resume_and_compare early
 
 echo
 echo "== 4. two trains started in the same second, default run directories"
