@@ -86,6 +86,12 @@ def _reconstruction_eval(exp: Experiment):
     return jax.jit(evaluate)
 
 
+def _batch_dependent(cfg: CoreConfig) -> bool:
+    """Whether the client module's phase-2 output depends on its batch (BatchNorm computing
+    with batch statistics, ``mfcl.bn_statistics=batch``)."""
+    return cfg.norm == "batch" and cfg.mfcl.bn_statistics == "batch"
+
+
 def _encoder(exp: Experiment, norm: str):
     """The frozen client module of a phase-1 model: ``(params, model_state) -> encode(x,
     paired)`` where ``paired`` (a client computing its view pairs) makes Twin Normalization
@@ -93,7 +99,7 @@ def _encoder(exp: Experiment, norm: str):
     statistics of the batch ``x``."""
     ae = exp.model.module
     client = ClientModule(ae.norm, ae.group_size, ae.conv_impl)
-    batch_stats = norm == "batch" and exp.cfg.mfcl.bn_statistics == "batch"
+    batch_stats = _batch_dependent(exp.cfg)
 
     def make(params, model_state):
         # The autoencoder's "client" submodule's variables, every collection.
@@ -188,7 +194,7 @@ def _represent_all(exp: Experiment, encode, pool: np.ndarray, segments: list[int
     represent = jax.jit(phase2.make_representations(encode, paired=True, blur=cfg.blur))
     images = jnp.asarray(exp.dataset.train_images)
     key = jax.random.PRNGKey(exp.cfg.seed)
-    if exp.cfg.norm == "batch" and cfg.bn_statistics == "batch":
+    if _batch_dependent(exp.cfg):
         starts = np.cumsum([0, *segments])
         batches = [(s, min(s + exp.cfg.batch_size, end))
                    for start, end in zip(starts[:-1], starts[1:], strict=True)
