@@ -90,13 +90,14 @@ def make_partition(cfg: CoreConfig, labels: np.ndarray) -> list[np.ndarray]:
 
 def clients_in_parallel(cfg: CoreConfig, platform: str | None = None) -> int | None:
     """``cfg.clients_in_parallel``, with 0 resolved: all sampled clients side by side (None),
-    except the models registered ``one_client_at_a_time_on_cpu`` (the ResNets), which train one
-    client after another on a CPU (1).
+    except the models registered ``one_client_at_a_time_on_cpu`` (the ResNets, pfl's CNN), which
+    train one client after another on a CPU (1).
 
     Why: on a CPU, batching clients buys no throughput (the cores are busy with one client's
     convolutions) and costs cache and memory; for ResNet-18 a FedRCL round of 5 clients takes
     0.77x the time one after another with the patch convolutions, 0.74x with oneDNN's
-    (benchmarks/HISTORY.md). The small CNN's round is as fast vmapped.
+    (benchmarks/HISTORY.md); the pfl workload's round (50 clients of pfl's CNN, 1.6M weights)
+    0.68x. MOON's CNN (small weights) is as fast either way, within noise, so it stays vmapped.
     """
     if cfg.clients_in_parallel:
         return cfg.clients_in_parallel

@@ -112,7 +112,8 @@ class ModelEntry:
       norms: the ``norm=`` values it accepts (its first is the default).
       width: whether ``width=`` applies (a ResNet's first-stage channels).
       one_client_at_a_time_on_cpu: ``clients_in_parallel=0`` trains one client after another on
-        a CPU (large convolutional models: batching clients buys nothing there).
+        a CPU (the ResNets, whose convolutions keep the cores busy with one client, and pfl's
+        CNN, whose 6.5 MB of weights stay in cache through one client's steps).
       num_blocks: the blocks the model is cut into for FedMLB's hybrid paths: its
         ``ModelOutput.blocks`` has this many activations and ``__call__(h, train=..., start=k)``
         runs the model from block ``k`` on ``h = blocks[k - 1]``; 0: the model cannot be entered
