@@ -1,5 +1,5 @@
-"""Layers: convolutions (oneDNN through XLA's FFI, patches, rows), max-pooling, PyTorch-style
-factories, normalizations."""
+"""Layers: convolutions (oneDNN through XLA's FFI, patches, rows), max-pooling, dropout with
+byte masks, PyTorch-style factories, normalizations."""
 
 from fedjax_rcl.nn.conv import (
     CONV_IMPLS,
@@ -11,16 +11,19 @@ from fedjax_rcl.nn.conv import (
     torch_conv,
     torch_dense,
 )
+from fedjax_rcl.nn.dropout import Dropout, dropout_mask
 from fedjax_rcl.nn.norm import NORMS, Norm
 from fedjax_rcl.nn.pool import max_pool
 from fedjax_rcl.nn.twin_norm import TwinNorm, twin_norm
 
 __all__ = [
     "CONV_IMPLS",
+    "Dropout",
     "NORMS",
     "TwinNorm",
     "Norm",
     "cpu_conv_general_dilated",
+    "dropout_mask",
     "max_pool",
     "onednn_conv_general_dilated",
     "patch_conv_general_dilated",
