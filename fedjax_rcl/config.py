@@ -60,6 +60,9 @@ class CoreConfig:
     """
 
     seed: int = 0
+    # true: initial weights from threefry's partitionable bit layout (JAX's default), as every
+    # run that started before commit 84cb623 drew them; so a new run can share their start.
+    init_threefry_partitionable: bool = False
     dataset: str = "digits"  # digits | cifar10 | cifar100 | tiny_imagenet | imagefolder:PATH
     data_dir: str | None = None  # TFDS data dir (cifar10/100); tiny_imagenet's archive dir
     model: str = "cnn"  # see MODELS (cnn | resnet10 | resnet18 | resnet34)
@@ -302,9 +305,9 @@ RESUME_SAFE_KEYS = ("rounds", "checkpoint_every", "keep_checkpoints", "eval_batc
                     *(f"tracking.{f.name}" for f in dataclasses.fields(TrackingConfig)))
 
 
-# Settings added after runs existed, with the value that reproduces those runs: left out of
-# the digest while they hold it, so that the runs' checkpoints still resume.
-DIGEST_NEUTRAL_DEFAULTS = {"mfcl.bn_statistics": "running"}
+# Settings added after runs existed, at their default (what a run's config without them
+# means): left out of the digest while they hold it, so that the runs' checkpoints still resume.
+DIGEST_NEUTRAL_DEFAULTS = {"mfcl.bn_statistics": "running", "init_threefry_partitionable": False}
 
 
 def _flat(d: dict, prefix: str = "") -> dict:
@@ -367,7 +370,8 @@ def legacy_config_digest(cfg: CoreConfig) -> str:
     flat = _flat(dataclasses.asdict(cfg))
     known = {f.name for f in dataclasses.fields(CoreConfig)} - {"plugins"}
     keep = {k: v for k, v in flat.items()
-            if k not in RESUME_SAFE_KEYS and (
+            if k not in RESUME_SAFE_KEYS
+            and not (k in DIGEST_NEUTRAL_DEFAULTS and v == DIGEST_NEUTRAL_DEFAULTS[k]) and (
                 k in known and "." not in k
                 or k.split(".")[0] in ("distributed", *_LEGACY_SECTIONS)
                 or k in ("server.optimizer", "server.lr"))}

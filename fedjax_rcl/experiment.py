@@ -137,7 +137,7 @@ def build(cfg: CoreConfig, dataset: ImageDataset | None = None, *,
     module = module or get_model(cfg.model, num_classes=dataset.num_classes,
                                  conv_impl=cfg.conv_impl, norm=cfg.norm, width=cfg.width,
                                  **model_kwargs(cfg))
-    model = model_fns(module)
+    model = model_fns(module, partitionable_init=cfg.init_threefry_partitionable)
     algorithm = make_algorithm(cfg, model)
     root = jax.random.PRNGKey(cfg.seed)
     params, model_state = model.init(init_key(root), np.zeros((1, *dataset.image_shape)))

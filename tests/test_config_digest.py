@@ -44,3 +44,14 @@ def test_a_setting_added_later_keeps_older_runs_digest_at_its_default(overrides,
         other = load_config(None, [*overrides, "mfcl.bn_statistics=batch"],
                             defaults=MFCL_DEFAULTS)
         assert config_digest(other) != digest
+
+
+@pytest.mark.parametrize("overrides,digest", [
+    # Computed by the code of commit d2eef41, before init_threefry_partitionable existed.
+    ([], "a0b993d66bfb8b49"),
+    (["model=resnet10", "width=16", "algorithm=fedavg", "alpha=0.1"], "dc4229e6293cbf75"),
+])
+def test_init_layout_setting_keeps_older_runs_digest_at_its_default(overrides, digest):
+    assert config_digest(load_config(None, overrides)) == digest
+    other = load_config(None, [*overrides, "init_threefry_partitionable=true"])
+    assert config_digest(other) != digest

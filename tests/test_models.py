@@ -153,3 +153,22 @@ def test_narrow_and_shallow_resnets(name, stages, width):
 def test_width_is_refused_for_the_cnn():
     with pytest.raises(ValueError, match="fixed width"):
         get_model("cnn", num_classes=10, width=16)
+
+
+@pytest.mark.parametrize("partitionable", [False, True])
+def test_model_fns_init_uses_the_chosen_threefry_layout(partitionable):
+    """``init_threefry_partitionable=true`` reproduces the initial weights of runs started
+    before 84cb623 (JAX's default layout); the default is the non-partitionable one."""
+    import chex
+
+    from fedjax_rcl.models.base import model_fns
+
+    module = get_model("cnn", num_classes=10, conv_impl="patches")
+    key, sample = jax.random.PRNGKey(3), np.zeros((1, 32, 32, 3), np.float32)
+    params, _ = model_fns(module, partitionable_init=partitionable).init(key, sample)
+    with jax.threefry_partitionable(partitionable):
+        expected = jax.jit(lambda k, s: module.init(k, s, train=False))(key, sample)["params"]
+    with jax.threefry_partitionable(not partitionable):
+        other = jax.jit(lambda k, s: module.init(k, s, train=False))(key, sample)["params"]
+    chex.assert_trees_all_equal(params, expected)
+    assert not np.allclose(jax.tree.leaves(params)[0], jax.tree.leaves(other)[0])

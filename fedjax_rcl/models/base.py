@@ -80,8 +80,12 @@ class ModelFns:
     apply_from: Callable[..., ModelOutput] | None = None
 
 
-def model_fns(module: nn.Module) -> ModelFns:
-    """Wraps a module whose ``__call__(x, *, train)`` returns a ``ModelOutput``."""
+def model_fns(module: nn.Module, *, partitionable_init: bool = False) -> ModelFns:
+    """Wraps a module whose ``__call__(x, *, train)`` returns a ``ModelOutput``.
+
+    ``partitionable_init``: draw the initial weights with threefry's partitionable layout
+    (JAX's default; the config's ``init_threefry_partitionable``), as runs before 84cb623 did.
+    """
 
     # Jitted: run eagerly, every layer's initialiser would compile on its own (seconds).
     jit_init = jax.jit(lambda key, sample: module.init(key, sample, train=False))
@@ -94,7 +98,7 @@ def model_fns(module: nn.Module) -> ModelFns:
         # width 16 3.8 s vs 9.8 s, MOON's CNN 2.5 s vs 5.8 s). Set around the call, not inside
         # the traced function, because random bits are lowered after tracing. Initialisation
         # only: training's randomness (sampling, augmentation, dropout) keeps JAX's default.
-        with jax.threefry_partitionable(False):
+        with jax.threefry_partitionable(partitionable_init):
             variables = dict(jit_init(key, jnp.asarray(sample, jnp.float32)))
         params = variables.pop("params")
         return params, variables
