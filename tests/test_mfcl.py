@@ -149,7 +149,7 @@ def test_batch_statistics_representations_are_each_clients_own_batches():
     cfg = load_config(None, [*TINY, "norm=batch", "mfcl.bn_statistics=batch"],
                       defaults=MFCL_DEFAULTS)
     exp = build(cfg, mfcl_dataset(cfg))
-    encode = _encoder(exp, "batch")(exp.state.params, exp.state.model_state)
+    encode = _encoder(exp)(exp.state.params, exp.state.model_state)
     kept = np.arange(cfg.num_clients)
     pool = phase2.sample_pool(exp.parts, kept, rho=2)
     sizes = [len(exp.parts[k]) for k in kept]
@@ -173,7 +173,7 @@ def test_batch_statistics_representations_are_each_clients_own_batches():
     # Running statistics: another result, in which a sample does not depend on its batch.
     cfg_running = load_config(None, [*TINY, "norm=batch"], defaults=MFCL_DEFAULTS)
     exp.cfg = cfg_running
-    running = _encoder(exp, "batch")(exp.state.params, exp.state.model_state)
+    running = _encoder(exp)(exp.state.params, exp.state.model_state)
     alone = np.asarray(_represent_all(exp, running, pool, sizes * 2))
     assert np.abs(alone - reps).max() > 1e-2
     one = np.asarray(phase2.make_representations(running, paired=True, blur=False)(

@@ -92,7 +92,7 @@ def _batch_dependent(cfg: CoreConfig) -> bool:
     return cfg.norm == "batch" and cfg.mfcl.bn_statistics == "batch"
 
 
-def _encoder(exp: Experiment, norm: str):
+def _encoder(exp: Experiment):
     """The frozen client module of a phase-1 model: ``(params, model_state) -> encode(x,
     paired)`` where ``paired`` (a client computing its view pairs) makes Twin Normalization
     take rows i and i + K together and, with ``mfcl.bn_statistics=batch``, BatchNorm use the
@@ -112,7 +112,7 @@ def _encoder(exp: Experiment, norm: str):
             # statistics), which depends on no other sample.
             if paired and batch_stats:  # training form; the running statistics stay frozen
                 return client.apply(variables, x, train=True, mutable=["batch_stats"])[0]
-            return client.apply(variables, x, train=paired and norm == "twin")
+            return client.apply(variables, x, train=paired and exp.cfg.norm == "twin")
 
         return encode
 
@@ -320,7 +320,7 @@ def _describe(exp: Experiment, run_dir: Path) -> str:
 
 def _loop(exp: Experiment, run_dir: Path, state, done1: int, phase2_started: bool, log) -> dict:
     state = _phase1(exp, run_dir, state, done1, log)
-    encode = _encoder(exp, exp.cfg.norm)(state.params, state.model_state)
+    encode = _encoder(exp)(state.params, state.model_state)
     model, server = _phase2(exp, run_dir, encode, phase2_started, log)
     log("linear probe on the frozen features...")
     probe = _probe(exp, encode, model, server)
