@@ -1,0 +1,92 @@
+"""tools/experiment_suite.py: which run goes next, the commands it writes, and its table."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+_PATH = Path(__file__).resolve().parents[1] / "tools" / "experiment_suite.py"
+_spec = importlib.util.spec_from_file_location("experiment_suite", _PATH)
+suite_tool = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(suite_tool)
+
+
+def _write_run(run_dir: Path, acc: np.ndarray) -> None:
+    run_dir.mkdir(parents=True)
+    ema, lines = 0.1, []
+    for t, a in enumerate(acc, start=1):
+        ema = 0.9 * ema + 0.1 * a
+        lines.append(json.dumps({"round": t, "test_accuracy": float(a),
+                                 "test_accuracy_ema": ema}))
+    (run_dir / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+
+
+def _suite(tmp_path: Path) -> dict:
+    return {"base": "base.yaml", "runs_dir": str(tmp_path / "runs"), "rounds": 30,
+            "report_rounds": [10, 30], "runs": {"a": ["algorithm=fedavg"],
+                                                "b": ["algorithm=fedrcl"]}}
+
+
+def test_table_ema_window_mean_and_best(tmp_path):
+    pytest.importorskip("matplotlib")
+    suite = _suite(tmp_path)
+    rng = np.random.default_rng(0)
+    acc_a, acc_b = rng.uniform(0.1, 0.6, 30), rng.uniform(0.1, 0.6, 25)
+    _write_run(tmp_path / "runs" / "a", acc_a)
+    _write_run(tmp_path / "runs" / "b", acc_b)  # stopped at 25: no @30, no window mean
+    text = suite_tool.table(suite, tmp_path / "out")
+    header, _, row_a, row_b = text.splitlines()
+    assert "EMA @10 | EMA @30 | mean acc 21-30 | best acc" in header
+    ema = 0.1
+    for t, a in enumerate(acc_a, start=1):
+        ema = 0.9 * ema + 0.1 * a
+        if t == 10:
+            ema10 = ema
+    cells_a = [c.strip() for c in row_a.split("|")[1:-1]]
+    assert cells_a[:3] == ["a", "algorithm=fedavg", "30"]
+    assert cells_a[3:] == [f"{ema10:.4f}", f"{ema:.4f}", f"{acc_a[20:].mean():.4f}",
+                           f"{acc_a.max():.4f}"]
+    cells_b = [c.strip() for c in row_b.split("|")[1:-1]]
+    assert cells_b[2] == "25" and cells_b[4:6] == ["—", "—"]
+    assert (tmp_path / "out" / "table.md").read_text() == text
+    assert (tmp_path / "out" / "ema_accuracy.png").stat().st_size > 0
+
+
+def test_run_advances_the_run_furthest_behind(tmp_path, monkeypatch):
+    suite = _suite(tmp_path)
+    _write_run(tmp_path / "runs" / "a", np.full(20, 0.5))
+    (tmp_path / "runs" / "a" / "config.yaml").write_text("{}")
+    calls = []
+
+    def fake_run(cmd, cwd):
+        calls.append(cmd)
+        target = int(next(c for c in cmd if c.startswith("rounds=")).split("=")[1])
+        run_dir = Path(cmd[2]) if cmd[1] == "resume" else Path(
+            next(c for c in cmd if c.startswith("run_dir=")).split("=", 1)[1])
+        run_dir.mkdir(parents=True, exist_ok=True)
+        _write_run_append(run_dir, target)
+        (run_dir / "config.yaml").write_text("{}")
+        return type("Done", (), {"returncode": 0})()
+
+    monkeypatch.setattr(suite_tool.subprocess, "run", fake_run)
+    suite_tool.run(suite, chunk=10, only=None)
+    runs = [Path(c[2]).name if c[1] == "resume" else "b" for c in calls]
+    steps = [(c[1], next(x for x in c if x.startswith("rounds="))) for c in calls]
+    # b starts from nothing with train and catches up; on a tie the suite's order decides.
+    assert list(zip(runs, steps, strict=True)) == [
+        ("b", ("train", "rounds=10")), ("b", ("resume", "rounds=20")),
+        ("a", ("resume", "rounds=30")), ("b", ("resume", "rounds=30"))]
+    assert calls[0][2] == "base.yaml" and "algorithm=fedrcl" in calls[0]
+    commands = (tmp_path / "runs" / "b" / "commands.txt").read_text().splitlines()
+    assert len(commands) == 3 and all(line.endswith("# exit 0") for line in commands)
+
+
+def _write_run_append(run_dir: Path, target: int) -> None:
+    path = run_dir / "metrics.jsonl"
+    done = suite_tool.rounds_done(run_dir)
+    with open(path, "a") as f:
+        for t in range(done + 1, target + 1):
+            f.write(json.dumps({"round": t, "test_accuracy": 0.5,
+                                "test_accuracy_ema": 0.5}) + "\n")
