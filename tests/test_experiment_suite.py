@@ -33,21 +33,22 @@ def test_table_ema_window_mean_and_best(tmp_path):
     pytest.importorskip("matplotlib")
     suite = _suite(tmp_path)
     rng = np.random.default_rng(0)
-    acc_a, acc_b = rng.uniform(0.1, 0.6, 30), rng.uniform(0.1, 0.6, 25)
+    acc_a, acc_b = rng.uniform(0.1, 0.6, 35), rng.uniform(0.1, 0.6, 25)
+    acc_a[32] = 0.99  # past the suite's 30 rounds: not its best
     _write_run(tmp_path / "runs" / "a", acc_a)
     _write_run(tmp_path / "runs" / "b", acc_b)  # stopped at 25: no @30, no window mean
     text = suite_tool.table(suite, tmp_path / "out")
     header, _, row_a, row_b = text.splitlines()
-    assert "EMA @10 | EMA @30 | mean acc 21-30 | best acc" in header
+    assert "EMA @10 | EMA @30 | mean acc 21-30 | best acc to 30 |" in header
     ema = 0.1
-    for t, a in enumerate(acc_a, start=1):
+    for t, a in enumerate(acc_a[:30], start=1):
         ema = 0.9 * ema + 0.1 * a
         if t == 10:
             ema10 = ema
     cells_a = [c.strip() for c in row_a.split("|")[1:-1]]
-    assert cells_a[:3] == ["a", "algorithm=fedavg", "30"]
-    assert cells_a[3:] == [f"{ema10:.4f}", f"{ema:.4f}", f"{acc_a[20:].mean():.4f}",
-                           f"{acc_a.max():.4f}"]
+    assert cells_a[:3] == ["a", "algorithm=fedavg", "35"]
+    assert cells_a[3:] == [f"{ema10:.4f}", f"{ema:.4f}", f"{acc_a[20:30].mean():.4f}",
+                           f"{acc_a[:30].max():.4f}"]
     cells_b = [c.strip() for c in row_b.split("|")[1:-1]]
     assert cells_b[2] == "25" and cells_b[4:6] == ["—", "—"]
     assert (tmp_path / "out" / "table.md").read_text() == text

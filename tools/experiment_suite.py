@@ -106,7 +106,7 @@ def table(suite: dict, out: Path) -> str:
     last = report[-1]
     window = range(max(1, last - 9), last + 1)  # one seed's EMA moves with a few lucky rounds
     lines = ["| run | overrides | rounds done | " + " | ".join(f"EMA @{r}" for r in report)
-             + f" | mean acc {window[0]}-{last} | best acc |",
+             + f" | mean acc {window[0]}-{last} | best acc to {suite['rounds']} |",
              "|---|---|---|" + "---|" * len(report) + "---|---|"]
     groups: dict[str, list[str]] = {}
     for name, overrides in suite["runs"].items():
@@ -116,10 +116,12 @@ def table(suite: dict, out: Path) -> str:
                  for r in report]
         mean = (f"{sum(by_round[r]['test_accuracy'] for r in window) / len(window):.4f}"
                 if all(r in by_round for r in window) else "—")
-        best = max((r["test_accuracy"] for r in rows), default=float("nan"))
+        # Over the suite's rounds only: a run that went further is not compared on more rounds.
+        best = max((r["test_accuracy"] for r in rows if r["round"] <= suite["rounds"]),
+                   default=None)
         done = rows[-1]["round"] if rows else 0
         lines.append(f"| {name} | {' '.join(overrides)} | {done} | " + " | ".join(cells)
-                     + f" | {mean} | {best:.4f} |")
+                     + f" | {mean} | {'—' if best is None else f'{best:.4f}'} |")
         group = suite.get("group_by")
         key = next((o for o in overrides if group and o.startswith(f"{group}=")), "all")
         groups.setdefault(key, []).append(name)
