@@ -51,12 +51,16 @@ def load_suite(path: str) -> dict:
     return suite
 
 
-def rounds_done(run_dir: Path) -> int:
+def _metrics(run_dir: Path) -> list[dict]:
     path = run_dir / "metrics.jsonl"
     if not path.is_file():
-        return 0
-    lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return lines[-1]["round"] if lines else 0
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def rounds_done(run_dir: Path) -> int:
+    rows = _metrics(run_dir)
+    return rows[-1]["round"] if rows else 0
 
 
 def _command(suite: dict, name: str, target: int) -> list[str]:
@@ -87,13 +91,6 @@ def run(suite: dict, chunk: int, only: list[str] | None) -> None:
             f.write(f"{shlex.join(cmd)}  # exit {status}\n")
         if status != 0:
             sys.exit(f"{name}: exit status {status}; stopping the suite")
-
-
-def _metrics(run_dir: Path) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
-    if not path.is_file():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def table(suite: dict, out: Path) -> str:
