@@ -106,8 +106,9 @@ def table(suite: dict, out: Path) -> str:
              + f" | mean acc {window[0]}-{last} | best acc to {suite['rounds']} |",
              "|---|---|---|" + "---|" * len(report) + "---|---|"]
     groups: dict[str, list[str]] = {}
+    metrics = {name: _metrics(Path(suite["runs_dir"]) / name) for name in suite["runs"]}
     for name, overrides in suite["runs"].items():
-        rows = _metrics(Path(suite["runs_dir"]) / name)
+        rows = metrics[name]
         by_round = {r["round"]: r for r in rows}
         cells = [f"{by_round[r]['test_accuracy_ema']:.4f}" if r in by_round else "—"
                  for r in report]
@@ -126,7 +127,7 @@ def table(suite: dict, out: Path) -> str:
     fig, axes = plt.subplots(1, len(groups), figsize=(6 * len(groups), 4.2), squeeze=False)
     for ax, (key, names) in zip(axes[0], sorted(groups.items()), strict=True):
         for name in names:
-            rows = _metrics(Path(suite["runs_dir"]) / name)
+            rows = metrics[name]
             if rows:
                 ax.plot([r["round"] for r in rows], [r["test_accuracy_ema"] for r in rows],
                         label=name)
