@@ -94,10 +94,19 @@ def main(argv: list[str] | None = None) -> int:
     if argv is None:  # the command line (not a call from Python, e.g. a test)
         # SIGINT/SIGTERM from here on: status 130/143 and a line saying what is on disk.
         # (Before this point -- the interpreter starting -- the signal's default action ends
-        # the process, which shells also report as 130/143.)
+        # the process, which shells also report as 130/143.) Once the command returns, they
+        # are ignored while the interpreter shuts down (`interrupts.work_done`).
         from fedjax_rcl import interrupts
 
         interrupts.install()
+        try:
+            return _command(argv)
+        finally:
+            interrupts.work_done()
+    return _command(argv)
+
+
+def _command(argv: list[str] | None) -> int:
     # Overrides may come before or after options (`train --no-progress rounds=5 lr=0.1`):
     # argparse leaves positionals that follow an option unparsed, so collect them here.
     p = parser()

@@ -28,7 +28,7 @@ import sys
 import threading
 from collections.abc import Iterator
 
-__all__ = ["critical", "install", "resume_status", "set_status"]
+__all__ = ["critical", "install", "resume_status", "set_status", "work_done"]
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 _lock = threading.RLock()  # held by the main thread around critical sections
@@ -85,3 +85,18 @@ def install() -> None:
     threading.Thread(target=_watch, args=(read_fd,), name="fedjax-rcl-interrupts",
                      daemon=True).start()
     _installed[0] = True
+
+
+def work_done() -> None:
+    """The command's work is over and on disk: SIGINT and SIGTERM are ignored from here on,
+    while the interpreter shuts down, so that the exit status is the command's own.
+
+    Why: CPython's finalisation first stops daemon threads (the watcher can no longer run),
+    then restores the default action of every signal that has a Python handler
+    (``_PySignal_Fini``) but leaves ``SIG_IGN`` alone; tearing down XLA's runtime after that
+    can take a second, and a signal in that window would kill a process whose run had
+    finished, with no status line and a status that says it was killed."""
+    if not _installed[0] or threading.current_thread() is not threading.main_thread():
+        return
+    for s in SIGNALS:
+        signal.signal(s, signal.SIG_IGN)
