@@ -1,0 +1,70 @@
+#!/bin/bash
+# FedRCL at the paper's scale on a lent GPU (issue 12, item 2): GroupNorm ResNet-18 (width 64),
+# real CIFAR-10 (the team's JPEG zip), Dirichlet 0.3, 100 clients, 5 % per round, 5 local epochs
+# of batch 50 -- experiments/paper/cifar10_resnet18.yaml unchanged but for the data path.
+# FedAvg, FedRCL (the authors' released loss) and FedRCL (the paper's form, mining=none) run side
+# by side on the one GPU for SECONDS each, then stop with SIGINT (a clean stop: exit 130, every
+# evaluated round already in metrics.jsonl). Written for the device tool's 15-minute lease:
+#
+#   # here, once: the zip re-packed as a solid tar.xz (18 MB; the zip's 60,000 JPEG headers
+#   # compress away), and the one package the device image lacks
+#   unzip -q ../shared/data/cifar10-jpeg.zip -d /tmp/c10
+#   tar cf - -C /tmp/c10 --sort=name train test | xz -9e > .devdata/cifar10.tar.xz
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 -d .whl omegaconf==2.4.0
+#   # there (carry .devdata and .whl):
+#   SECONDS_PER_RUN=400 bash tools/device_paper_resnet18.sh
+#
+# The decoded images are byte-identical to the zip's (checked: every array equal, and the SPEC's
+# CIFAR-10 mean/std recognised from the folder as from the zip). Results: $OUT/<run>.jsonl,
+# $OUT/<run>.log; experiments/results/paper_resnet18_gpu.md records what came back.
+set -u
+OUT=${OUT:-/tmp/out}
+SECONDS_PER_RUN=${SECONDS_PER_RUN:-400}
+EXTRA=${EXTRA:-}  # more overrides, e.g. a CPU smoke test: EXTRA="model=resnet10 width=8"
+mkdir -p "$OUT"
+exec > >(tee "$OUT/device.log") 2>&1
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+  --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+export XLA_PYTHON_CLIENT_PREALLOCATE=false  # three processes share the GPU
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv
+nproc
+python3 -c "import jax, flax, optax, orbax.checkpoint, chex, numpy; \
+print('jax', jax.__version__, 'flax', flax.__version__, 'optax', optax.__version__, \
+'numpy', numpy.__version__, jax.devices())" || exit 1
+mkdir -p /tmp/cifar10 && tar xJf .devdata/cifar10.tar.xz -C /tmp/cifar10 || exit 1
+DATA=imagefolder:/tmp/cifar10
+# Decode once into the cache, so the three runs start from the cached arrays.
+python3 -c "from fedjax_rcl.data.sources import load_dataset as l; d = l('$DATA'); \
+print(d.train_images.shape, d.mean, d.std)" || exit 1
+
+declare -A RUNS=(
+  [fedavg]="algorithm=fedavg"
+  [fedrcl]="algorithm=fedrcl"
+  [fedrcl-paper]="algorithm=fedrcl fedrcl.mining=none"
+)
+pids=()
+for name in "${!RUNS[@]}"; do
+  # shellcheck disable=SC2086
+  timeout -s INT -k 30 "$SECONDS_PER_RUN" python3 -m fedjax_rcl train \
+    experiments/paper/cifar10_resnet18.yaml dataset=$DATA ${RUNS[$name]} \
+    checkpoint_every=1000 run_dir=/tmp/runs/$name $EXTRA --no-progress > "$OUT/$name.log" 2>&1 &
+  pids+=($!)
+done
+wait "${pids[@]}"  # (a bare `wait` would also wait for the tee above, forever)
+for name in "${!RUNS[@]}"; do
+  cp /tmp/runs/$name/metrics.jsonl "$OUT/$name.jsonl"
+  tail -n 3 "$OUT/$name.log"
+done
+python3 - "$OUT" <<'EOF'
+import json, pathlib, statistics, sys
+for p in sorted(pathlib.Path(sys.argv[1]).glob("*.jsonl")):
+    rows = [json.loads(l) for l in p.open() if '"test_accuracy"' in l]
+    if not rows:
+        print(p.stem, "no evaluated round"); continue
+    last, best = rows[-1], max(rows, key=lambda r: r["test_accuracy"])
+    s = statistics.median(r["round_s"] for r in rows[5:] or rows)
+    print(f"{p.stem}: rounds {last['round']}, acc {last['test_accuracy']:.4f}, "
+          f"EMA {last['test_accuracy_ema']:.4f}, best {best['test_accuracy']:.4f}@{best['round']}, "
+          f"median {s:.3f} s/round")
+EOF
