@@ -91,19 +91,25 @@ def make_partition(cfg: CoreConfig, labels: np.ndarray) -> list[np.ndarray]:
 def clients_in_parallel(cfg: CoreConfig, platform: str | None = None) -> int | None:
     """``cfg.clients_in_parallel``, with 0 resolved: all sampled clients side by side (None),
     except the models registered ``one_client_at_a_time_on_cpu`` (the ResNets, pfl's CNN), which
-    train one client after another on a CPU (1).
+    train one client after another on a CPU (1), and ``one_client_at_a_time_on_gpu`` (the
+    ResNets), likewise on a GPU.
 
     Why: on a CPU, batching clients buys no throughput (the cores are busy with one client's
     convolutions) and costs cache and memory; for ResNet-18 a FedRCL round of 5 clients takes
     0.77x the time one after another with the patch convolutions, 0.74x with oneDNN's
     (benchmarks/HISTORY.md); the pfl workload's round (50 clients of pfl's CNN, 1.6M weights)
     0.68x. MOON's CNN (small weights) is as fast either way, within noise, so it stays vmapped.
+    On an H200, vmapped clients' convolutions become grouped convolutions: a ResNet-18 FedAvg
+    round of 5 clients (50 local steps each) took 1.40 s vmapped, 0.73 s one after another in
+    the same compiled program (BENCHMARKS.md). TPUs keep the vmapped layout (not measured).
     """
     if cfg.clients_in_parallel:
         return cfg.clients_in_parallel
     platform = platform or jax.default_backend()
-    one_at_a_time = registry.model(cfg.model).one_client_at_a_time_on_cpu
-    return 1 if platform == "cpu" and one_at_a_time else None
+    entry = registry.model(cfg.model)
+    one_at_a_time = {"cpu": entry.one_client_at_a_time_on_cpu,
+                     "gpu": entry.one_client_at_a_time_on_gpu}.get(platform, False)
+    return 1 if one_at_a_time else None
 
 
 def build(cfg: CoreConfig, dataset: ImageDataset | None = None, *,

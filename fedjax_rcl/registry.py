@@ -114,6 +114,11 @@ class ModelEntry:
       one_client_at_a_time_on_cpu: ``clients_in_parallel=0`` trains one client after another on
         a CPU (the ResNets, whose convolutions keep the cores busy with one client, and pfl's
         CNN, whose 6.5 MB of weights stay in cache through one client's steps).
+      one_client_at_a_time_on_gpu: the same on a GPU: XLA batches a convolution whose weights
+        are vmapped (one set per client) into a grouped convolution, and for ResNet-18 at batch
+        50 one client already keeps an H200 busy, so a round of 5 vmapped clients took 1.91x
+        the time of the same compiled round one client after another (BENCHMARKS.md, "Clients
+        side by side on a GPU"). Set for the ResNets (measured on ResNet-18 only).
       num_blocks: the blocks the model is cut into for FedMLB's hybrid paths: its
         ``ModelOutput.blocks`` has this many activations and ``__call__(h, train=..., start=k)``
         runs the model from block ``k`` on ``h = blocks[k - 1]``; 0: the model cannot be entered
@@ -127,6 +132,7 @@ class ModelEntry:
     width: bool = False
     one_client_at_a_time_on_cpu: bool = False
     num_blocks: int = 0
+    one_client_at_a_time_on_gpu: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -202,10 +208,11 @@ def register_algorithm(name: str, build: Callable, *, config: type | None = None
 def register_model(name: str, build: Callable, *, num_levels: int,
                    norms: tuple[str, ...] = ("group",), width: bool = False,
                    one_client_at_a_time_on_cpu: bool = False, num_blocks: int = 0,
+                   one_client_at_a_time_on_gpu: bool = False,
                    replace: bool = False) -> ModelEntry:
     """Makes ``model=name`` available (see ``ModelEntry`` for the arguments)."""
     entry = ModelEntry(name, build, num_levels, tuple(norms), width,
-                       one_client_at_a_time_on_cpu, num_blocks)
+                       one_client_at_a_time_on_cpu, num_blocks, one_client_at_a_time_on_gpu)
     _add(MODELS, entry, "model", replace)
     return entry
 

@@ -45,11 +45,14 @@ def test_vmapped_round_equals_sequential_clients(toy, kw):
         assert sizes.min() != sizes.max(), "the uneven case must really be uneven"
 
 
-def test_auto_clients_in_parallel_is_one_only_for_resnets_on_cpu():
+def test_auto_clients_in_parallel_is_one_only_for_resnets_on_cpu_and_gpu():
     from fedjax_rcl.experiment import clients_in_parallel
 
     assert clients_in_parallel(_cfg(model="resnet18"), "cpu") == 1
-    assert clients_in_parallel(_cfg(model="resnet18"), "gpu") is None
+    assert clients_in_parallel(_cfg(model="resnet18"), "gpu") == 1  # grouped convs: 1.91x
+    assert clients_in_parallel(_cfg(model="resnet18"), "tpu") is None
+    assert clients_in_parallel(_cfg(model="cnn"), "gpu") is None
+    assert clients_in_parallel(_cfg(model="resnet18", clients_in_parallel=4), "gpu") == 4
     assert clients_in_parallel(_cfg(model="cnn"), "cpu") is None
     assert clients_in_parallel(_cfg(model="resnet18", clients_in_parallel=4), "cpu") == 4
 
