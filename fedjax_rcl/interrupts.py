@@ -93,9 +93,11 @@ def work_done() -> None:
 
     Why: CPython's finalisation first stops daemon threads (the watcher can no longer run),
     then restores the default action of every signal that has a Python handler
-    (``_PySignal_Fini``) but leaves ``SIG_IGN`` alone; tearing down XLA's runtime after that
-    can take a second, and a signal in that window would kill a process whose run had
-    finished, with no status line and a status that says it was killed."""
+    (``_PySignal_Fini``) but leaves ``SIG_IGN`` alone; a signal during the rest of the
+    shutdown (module teardown, XLA's runtime among it) would kill a process whose run had
+    finished, with no status line and an exit status that says it was killed. CI saw it once:
+    a SIGTERM sent at a random moment of a 5-round `train` arrived after the run had finished
+    (exit -15, the run directory complete)."""
     if not _installed[0] or threading.current_thread() is not threading.main_thread():
         return
     for s in SIGNALS:
