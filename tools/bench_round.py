@@ -40,6 +40,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_CLIENTS = (1, 5, 10, 20, 50)
+# The compiled round: its default client layout, or clients one after another inside the program.
+COMPILED_MODES = ("vmap", "one-at-a-time")
 
 
 def _setup(model: str, paper_local_work: bool = False):
@@ -127,8 +129,7 @@ def worker(spec: dict) -> dict:
                      batch_size=batch, eval_every=1,
                      clients_in_parallel=1 if mode == "one-at-a-time" else spec.get("chunk", 0))
         exp = build(cfg, _fake_cifar(num_clients * per_client))
-        if mode in ("vmap", "one-at-a-time"):  # the compiled round; its default client layout,
-            # or one client after another inside the program (clients_in_parallel=1)
+        if mode in COMPILED_MODES:
             t0 = time.perf_counter()
             one = jnp.int32(1)
             step = exp.run_rounds.lower(exp.state, exp.data, one).compile()
@@ -346,7 +347,7 @@ def main():
         for alg in args.algorithms:
             for clients in clients_list:
                 for mode in modes:
-                    if mode not in ("vmap", "one-at-a-time") and clients not in (1, 5):
+                    if mode not in COMPILED_MODES and clients not in (1, 5):
                         continue  # the loops scale linearly; 1 and 5 clients say it all
                     specs.append({"model": model, "algorithm": alg, "clients": clients,
                                   "mode": mode, "repeats": 2,
