@@ -107,6 +107,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _command(argv: list[str] | None) -> int:
+    import shlex
+
+    # What the run directory records as this process's command (commands.txt).
+    command_line = shlex.join(["fedjax-rcl", *(sys.argv[1:] if argv is None else argv)])
     # Overrides may come before or after options (`train --no-progress rounds=5 lr=0.1`):
     # argparse leaves positionals that follow an option unparsed, so collect them here.
     p = parser()
@@ -132,7 +136,7 @@ def _command(argv: list[str] | None) -> int:
 
             try:
                 resume(args.run_dir, args.overrides, force=args.force,
-                       progress=not args.no_progress)
+                       progress=not args.no_progress, command=command_line)
             except TrainingError as e:
                 return _fail(str(e), EXIT_TRAINING)
             return 0
@@ -157,7 +161,7 @@ def _command(argv: list[str] | None) -> int:
             if args.print_config:
                 print(to_yaml(cfg), end="")
                 return 0
-            run_mfcl(cfg)
+            run_mfcl(cfg, command=command_line)
             return 0
         cfg = load_config(path, overrides)
         if args.command == "train":
@@ -167,7 +171,7 @@ def _command(argv: list[str] | None) -> int:
             from fedjax_rcl.training import TrainingError, train
 
             try:
-                train(cfg, progress=not args.no_progress)
+                train(cfg, progress=not args.no_progress, command=command_line)
             except TrainingError as e:
                 return _fail(str(e), EXIT_TRAINING)
         elif args.command == "partition":

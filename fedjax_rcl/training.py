@@ -21,7 +21,7 @@ import jax
 import numpy as np
 from flax import struct
 
-from fedjax_rcl import interrupts, registry, rundir
+from fedjax_rcl import interrupts, provenance, registry, rundir
 from fedjax_rcl.checkpoint import Checkpointer, Restored
 from fedjax_rcl.config import (
     RESUME_SAFE_KEYS,
@@ -278,7 +278,7 @@ def progress_line(record: dict, rounds: int, rounds_run: int, seconds: float) ->
 
 
 def train(cfg: CoreConfig, *, dataset: ImageDataset | None = None, progress: bool = True,
-          log: Callable[[str], None] = print) -> dict:
+          log: Callable[[str], None] = print, command: str | None = None) -> dict:
     """Runs ``cfg.rounds`` rounds from scratch; returns the last metrics record.
 
     Writes to the run directory: ``config.yaml`` (resolved), ``metrics.jsonl`` (one object per
@@ -290,9 +290,9 @@ def train(cfg: CoreConfig, *, dataset: ImageDataset | None = None, progress: boo
     summed over the run's processes, resumes included), ``checkpoints/`` (Orbax; round 0, every
     ``checkpoint_every`` rounds and the last) and ``accuracy.png``.
     """
-    command = registry.algorithm(cfg.algorithm).command
-    if command != "train":
-        raise ConfigError([f"algorithm={cfg.algorithm!r}: runs with 'fedjax-rcl {command}' "
+    runs_with = registry.algorithm(cfg.algorithm).command
+    if runs_with != "train":
+        raise ConfigError([f"algorithm={cfg.algorithm!r}: runs with 'fedjax-rcl {runs_with}' "
                            "(train runs the client algorithms)"])
     _join_cluster(cfg)
     log = log if is_primary() else _silent
@@ -304,6 +304,8 @@ def train(cfg: CoreConfig, *, dataset: ImageDataset | None = None, progress: boo
         interrupts.resume_status(run_dir, None)
         with interrupts.critical():
             _write(run_dir / "config.yaml", to_yaml(cfg))
+        if is_primary():
+            provenance.record(run_dir, command, 0)
         log(_describe(exp, run_dir))
         ckpt = Checkpointer(run_dir / "checkpoints", keep=cfg.keep_checkpoints)
         # A run always has a checkpoint.
@@ -331,7 +333,7 @@ def _load_run_config(run_dir: Path, overrides=()) -> tuple[CoreConfig, CoreConfi
 
 def resume(run_dir: str | Path, overrides=(), *, force: bool = False,
            dataset: ImageDataset | None = None, progress: bool = True,
-           log: Callable[[str], None] = print) -> dict:
+           log: Callable[[str], None] = print, command: str | None = None) -> dict:
     """Continues a run from its newest complete checkpoint (e.g. to more ``rounds``).
 
     The result is identical to a run that was never interrupted: the checkpoint holds
@@ -353,17 +355,20 @@ def resume(run_dir: str | Path, overrides=(), *, force: bool = False,
                                   f"resume {run_dir}")
             with interrupts.critical():
                 _write(run_dir / "config.yaml", to_yaml(cfg))
-            return resume_mfcl(run_dir, cfg, force=force, dataset=dataset, log=log)
+            return resume_mfcl(run_dir, cfg, force=force, dataset=dataset, log=log,
+                               command=command)
     _join_cluster(cfg)
     with rundir.locked(run_dir, enabled=is_primary()):
         interrupts.set_status(f"run_dir {run_dir}: unchanged; continue with: fedjax-rcl resume "
                               f"{run_dir}")
         return _resume_locked(run_dir, saved, cfg, force=force, dataset=dataset,
-                              progress=progress, log=log if is_primary() else _silent)
+                              progress=progress, log=log if is_primary() else _silent,
+                              command=command)
 
 
 def _resume_locked(run_dir: Path, saved: CoreConfig, cfg: CoreConfig, *, force: bool,
-                   dataset: ImageDataset | None, progress: bool, log) -> dict:
+                   dataset: ImageDataset | None, progress: bool, log,
+                   command: str | None) -> dict:
     changed = changed_keys(saved, cfg)
     if changed and not force:
         raise ConfigError([f"resume: {', '.join(changed)} would change the run's results "
@@ -394,6 +399,8 @@ def _resume_locked(run_dir: Path, saved: CoreConfig, cfg: CoreConfig, *, force: 
     with interrupts.critical():
         _write(run_dir / "metrics.jsonl", "".join(f"{x}\n" for x in lines))
         _write(run_dir / "config.yaml", to_yaml(cfg))
+    if is_primary():
+        provenance.record(run_dir, command, done)
     interrupts.resume_status(run_dir, done)
     log(_describe(exp, run_dir))
     log(f"resuming from the checkpoint of round {done} (of {cfg.rounds})")

@@ -152,6 +152,25 @@ def test_tiny_run_beats_chance(tmp_path, capsys):
     assert lines[-1].endswith("ETA 0m00s")
 
 
+def test_runs_record_their_commands_and_environment(tmp_path):
+    """commands.txt starts with the command that created the run and gains one line per
+    process; environment.jsonl says what each process ran on."""
+    run = tmp_path / "run"
+    first = ["train", "algorithm=fedavg", "rounds=2", "num_clients=4", "local_epochs=1",
+             f"run_dir={run}", "--no-progress"]
+    assert main(first) == 0
+    assert main(["resume", str(run), "rounds=3", "--no-progress"]) == 0
+    assert (run / "commands.txt").read_text().splitlines() == [
+        "fedjax-rcl " + " ".join(first), f"fedjax-rcl resume {run} rounds=3 --no-progress"]
+    envs = [json.loads(x) for x in (run / "environment.jsonl").read_text().splitlines()]
+    assert [e["first_round"] for e in envs] == [0, 2]
+    assert envs[1]["command"].startswith("fedjax-rcl resume")
+    for e in envs:
+        assert e["backend"] == "cpu" and e["device_kinds"]
+        assert {"python", "jax", "jaxlib", "flax", "optax", "numpy"} <= set(e["versions"])
+        assert e["cpu"]["cores"] >= 1 and "model_name" in e["cpu"]
+
+
 def test_progress_line_rate_and_eta():
     from fedjax_rcl.training import progress_line
 

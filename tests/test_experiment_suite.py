@@ -80,8 +80,8 @@ def test_run_advances_the_run_furthest_behind(tmp_path, monkeypatch):
         ("b", ("train", "rounds=10")), ("b", ("resume", "rounds=20")),
         ("a", ("resume", "rounds=30")), ("b", ("resume", "rounds=30"))]
     assert calls[0][2] == "base.yaml" and "algorithm=fedrcl" in calls[0]
-    commands = (tmp_path / "runs" / "b" / "commands.txt").read_text().splitlines()
-    assert len(commands) == 3 and all(line.endswith("# exit 0") for line in commands)
+    # The commands record themselves (fedjax_rcl.provenance); the suite writes no run file.
+    assert not (tmp_path / "runs" / "b" / "commands.txt").exists()
 
 
 def _write_run_append(run_dir: Path, target: int) -> None:

@@ -22,7 +22,8 @@ of them (less sensitive to a few lucky rounds of one seed than the EMA) and the 
     python tools/experiment_suite.py table experiments/suites/fidelity_cpu.yaml \
         --out experiments/results/fidelity_cpu
 
-Each run's own command (train, then resume) is written to ``RUN_DIR/commands.txt``.
+Each run's own commands (train, then resume) are in ``RUN_DIR/commands.txt`` (written by the
+command itself, with its machine and versions in ``RUN_DIR/environment.jsonl``).
 """
 
 from __future__ import annotations
@@ -82,13 +83,10 @@ def run(suite: dict, chunk: int, only: list[str] | None) -> None:
         done, name = min(pending)  # the run furthest behind goes next
         target = min(done + chunk, suite["rounds"])
         cmd = _command(suite, name, target)
-        run_dir = Path(suite["runs_dir"]) / name
         print(f"[{time.strftime('%H:%M:%S')}] {name}: {done} -> {target}: {shlex.join(cmd)}",
               flush=True)
+        # The command records itself in RUN_DIR/commands.txt and environment.jsonl.
         status = subprocess.run(cmd, cwd=ROOT).returncode
-        run_dir.mkdir(parents=True, exist_ok=True)
-        with open(run_dir / "commands.txt", "a") as f:
-            f.write(f"{shlex.join(cmd)}  # exit {status}\n")
         if status != 0:
             sys.exit(f"{name}: exit status {status}; stopping the suite")
 

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fedjax_rcl import interrupts, registry, rundir
+from fedjax_rcl import interrupts, provenance, registry, rundir
 from fedjax_rcl.algorithms.mfcl import reconstruction_bce
 from fedjax_rcl.checkpoint import Checkpointer
 from fedjax_rcl.config import ConfigError, CoreConfig, config_digest, to_yaml
@@ -336,7 +336,7 @@ def _loop(exp: Experiment, run_dir: Path, state, done1: int, phase2_started: boo
 
 
 def run_mfcl(cfg: CoreConfig, *, dataset: ImageDataset | None = None,
-             log: Callable[[str], None] = print) -> dict:
+             log: Callable[[str], None] = print, command: str | None = None) -> dict:
     """Runs MFCL from scratch (``cfg.algorithm == "mfcl"``); returns the probe's record."""
     if cfg.algorithm != "mfcl":
         raise ConfigError([f"algorithm={cfg.algorithm!r}: the mfcl command runs algorithm=mfcl"])
@@ -349,6 +349,7 @@ def run_mfcl(cfg: CoreConfig, *, dataset: ImageDataset | None = None,
                               f"with: fedjax-rcl resume {run_dir}")
         with interrupts.critical():
             atomic_write_text(run_dir / "config.yaml", to_yaml(cfg))
+        provenance.record(run_dir, command, 0)
         log(_describe(exp, run_dir))
         return _loop(exp, run_dir, exp.state, 0, False, log)
 
@@ -371,7 +372,8 @@ def _trim_metrics(path: Path, done1: int, done2: int) -> None:
 
 
 def resume_mfcl(run_dir: Path, cfg: CoreConfig, *, force: bool = False,
-                dataset: ImageDataset | None = None, log: Callable[[str], None] = print) -> dict:
+                dataset: ImageDataset | None = None, log: Callable[[str], None] = print,
+                command: str | None = None) -> dict:
     """Continues an MFCL run in whichever phase it stopped; identical to an uninterrupted
     run (called by ``training.resume`` for runs whose algorithm is ``mfcl``)."""
     log(f"loading data: {cfg.dataset} ...")
@@ -397,6 +399,7 @@ def resume_mfcl(run_dir: Path, cfg: CoreConfig, *, force: bool = False,
         _trim_metrics(run_dir / "metrics.jsonl", done1, done2)
         (run_dir / "resources.json").unlink(missing_ok=True)
     where = f"phase 2 epoch {done2}" if started2 else f"phase 1 round {done1}"
+    provenance.record(run_dir, command, done1)
     _status(run_dir, where)
     log(_describe(exp, run_dir))
     log(f"resuming from the checkpoint of {where}")

@@ -1,0 +1,105 @@
+"""What a run ran on: the command, the machine and the package versions, one record per process.
+
+A result is only comparable with another when both say where they came from: float results
+drift between CPU classes (AVX2 against AVX-512 reassociate sums differently), speeds differ
+by machine, and a dependency's new release may change a kernel. So every process that trains
+in a run directory (``train``, each ``resume``, ``mfcl``) appends
+
+* its command line to ``commands.txt`` (the first line is the command that created the run),
+* one JSON line to ``environment.jsonl``: the command, the UTC start time, the round it
+  started from, the processor (model name, family/model numbers, the vector extensions that
+  change numerics or speed), the JAX backend and its devices, and the versions of Python and
+  of the packages that compute results (with the project's git commit when it runs from a
+  checkout).
+
+Both files are appended, never rewritten, so a resumed run keeps the record of every process.
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib.metadata
+import json
+import os
+import platform
+import subprocess
+from pathlib import Path
+
+COMMANDS_FILE = "commands.txt"
+ENVIRONMENT_FILE = "environment.jsonl"
+
+# The packages whose versions can change a result or a speed.
+PACKAGES = ("fedjax-rcl", "jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "numpy",
+            "onednn-devel-cpu-gomp", "jax-cuda12-plugin", "jax-cuda13-plugin")
+# CPU flags worth recording: the vector widths and low-precision units XLA and oneDNN use.
+_CPU_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16",
+              "avx512_fp16", "amx_bf16", "amx_tile", "amx_int8")
+
+
+def cpu() -> dict:
+    """The processor: model name, vendor family/model numbers, logical cores, vector flags."""
+    info: dict = {"machine": platform.machine(), "cores": os.cpu_count()}
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return {**info, "model_name": platform.processor() or None}
+    fields: dict[str, str] = {}
+    for line in text.splitlines():
+        if not line.strip():
+            break  # the first processor's block is enough
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())
+    flags = set(fields.get("flags", "").split())
+    return {**info, "model_name": fields.get("model name"),
+            "family": fields.get("cpu family"), "model": fields.get("model"),
+            "flags": [f for f in _CPU_FLAGS if f in flags]}
+
+
+def versions() -> dict:
+    """Python's and the result-relevant packages' versions (installed ones only)."""
+    out = {"python": platform.python_version()}
+    for name in PACKAGES:
+        try:
+            out[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return out
+
+
+def git_commit() -> str | None:
+    """The commit of the checkout this package runs from (None outside a git checkout)."""
+    root = Path(__file__).resolve().parents[1]
+    if not (root / ".git").exists():
+        return None
+    try:
+        out = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True,
+                             text=True, timeout=10, check=False)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None if out.returncode == 0 else None
+
+
+def devices() -> dict:
+    """JAX's backend and its devices' kinds (``NVIDIA H200``, ``cpu``)."""
+    import jax
+
+    kinds = sorted({d.device_kind for d in jax.devices()})
+    return {"backend": jax.default_backend(), "device_count": jax.device_count(),
+            "device_kinds": kinds}
+
+
+def environment(command: str | None, first_round: int) -> dict:
+    """One ``environment.jsonl`` record for a process starting at ``first_round``."""
+    now = datetime.datetime.now(datetime.UTC).replace(microsecond=0)
+    return {"command": command, "started_utc": now.isoformat(), "first_round": first_round,
+            "cpu": cpu(), **devices(), "versions": versions(), "git_commit": git_commit()}
+
+
+def record(run_dir: str | Path, command: str | None, first_round: int) -> None:
+    """Appends this process's command and environment to the run directory's records."""
+    run_dir = Path(run_dir)
+    if command:
+        with open(run_dir / COMMANDS_FILE, "a") as f:
+            f.write(command + "\n")
+    with open(run_dir / ENVIRONMENT_FILE, "a") as f:
+        f.write(json.dumps(environment(command, first_round)) + "\n")
