@@ -1,4 +1,4 @@
-"""Checkpoints of everything the next round reads, through Orbax (SPEC §9).
+"""Checkpoints of everything the next round reads, through Orbax.
 
 A checkpoint holds the ``ServerState`` (global params and model state, server optimizer state,
 the per-client state table, the round index, the root key) and a JSON record of the host-side

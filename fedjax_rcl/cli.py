@@ -1,6 +1,7 @@
 """Command line: ``fedjax-rcl train [CONFIG.yaml] [key=value ...]``, ``resume RUN_DIR``,
-``eval RUN_DIR``, ``partition [CONFIG.yaml] [key=value ...]``, ``mfcl [CONFIG.yaml]
-[key=value ...]`` (MFCL's two phases and linear probe; ``resume`` continues it too).
+``eval RUN_DIR``, ``report RUN_DIR...``, ``partition [CONFIG.yaml] [key=value ...]``, ``mfcl
+[CONFIG.yaml] [key=value ...]`` (MFCL's two phases and linear probe; ``resume`` continues it
+too) and ``suite run|table SUITE.yaml`` (a suite of runs in resumable chunks).
 
 Every configuration or data problem is reported before anything is compiled, one line per
 problem naming the field, the value and what is allowed, with exit status 2 and no traceback.
@@ -63,6 +64,14 @@ def parser() -> argparse.ArgumentParser:
     m.add_argument("--no-progress", action="store_true", help="(accepted; MFCL prints lines)")
     m.add_argument("--print-config", action="store_true",
                    help="print the resolved config and exit")
+    su = sub.add_parser("suite", help="run a suite of experiments in resumable chunks, or "
+                        "tabulate it")
+    su.add_argument("action", choices=["run", "table"])
+    su.add_argument("suite", metavar="SUITE.yaml", help="the suite file (base config, runs)")
+    su.add_argument("--chunk", type=int, default=10, help="run: rounds per turn (default 10)")
+    su.add_argument("--only", nargs="+", metavar="RUN", help="run: only these runs")
+    su.add_argument("--out", help="table: where table.md and ema_accuracy.png go (default: "
+                    "experiments/results/<suite name>)")
     s = sub.add_parser("partition", help="partition statistics and a clients x classes plot")
     _config_args(s)
     s.add_argument("--plot", default="partition.png", help="where to save the plot (PNG)")
@@ -119,26 +128,25 @@ def _command(argv: list[str] | None) -> int:
     if unknown:
         p.error(f"unrecognized arguments: {' '.join(unknown)}")
     if extra:
-        if args.command in ("eval", "report"):
+        if args.command in ("eval", "report", "suite"):
             p.error(f"{args.command} takes no overrides: {' '.join(extra)}")
         if args.command == "resume":
             args.overrides = [*args.overrides, *extra]
         else:
             args.args = [*args.args, *extra]
     # Imports after parsing so that `--help` and usage errors are instant.
-    from fedjax_rcl.config import ConfigError, load_config, to_yaml
+    from fedjax_rcl.config import load_config, to_yaml
     from fedjax_rcl.data import DataError
+    from fedjax_rcl.loop import TrainingError
+    from fedjax_rcl.validation import ConfigError
 
     _enable_compilation_cache()
     try:
         if args.command == "resume":
-            from fedjax_rcl.training import TrainingError, resume
+            from fedjax_rcl.api import resume
 
-            try:
-                resume(args.run_dir, args.overrides, force=args.force,
-                       progress=not args.no_progress, command=command_line)
-            except TrainingError as e:
-                return _fail(str(e), EXIT_TRAINING)
+            resume(args.run_dir, args.overrides, force=args.force,
+                   progress=not args.no_progress, command=command_line)
             return 0
         if args.command == "report":
             from fedjax_rcl.report import ReportError, report
@@ -148,10 +156,12 @@ def _command(argv: list[str] | None) -> int:
             except ReportError as e:
                 return _fail(str(e), EXIT_USAGE)
             return 0
+        if args.command == "suite":
+            return _suite(args)
         if args.command == "eval":
-            from fedjax_rcl.training import evaluate_run
+            from fedjax_rcl.api import evaluate
 
-            print(json.dumps(evaluate_run(args.run_dir)))
+            print(json.dumps(evaluate(args.run_dir)))
             return 0
         path, overrides = _split_config_args(args.args)
         if args.command == "mfcl":
@@ -168,25 +178,41 @@ def _command(argv: list[str] | None) -> int:
             if args.print_config:
                 print(to_yaml(cfg), end="")
                 return 0
-            from fedjax_rcl.training import TrainingError, train
+            from fedjax_rcl.training import train
 
-            try:
-                train(cfg, progress=not args.no_progress, command=command_line)
-            except TrainingError as e:
-                return _fail(str(e), EXIT_TRAINING)
+            train(cfg, progress=not args.no_progress, command=command_line)
         elif args.command == "partition":
             return _partition(cfg, args.plot)
     except (ConfigError, DataError) as e:
         return _fail(str(e), EXIT_USAGE)
+    except TrainingError as e:
+        return _fail(str(e), EXIT_TRAINING)
     except KeyboardInterrupt:
         return _fail("interrupted", 130)
     return 0
 
 
+def _suite(args) -> int:
+    from pathlib import Path
+
+    from fedjax_rcl import suite
+    from fedjax_rcl.validation import ConfigError
+
+    spec = suite.load_suite(args.suite)
+    if args.action == "run":
+        if args.chunk < 1:
+            raise ConfigError([f"--chunk {args.chunk}: must be >= 1"])
+        suite.run(spec, args.chunk, args.only)
+    else:
+        out = Path(args.out) if args.out else Path("experiments/results") / Path(args.suite).stem
+        print(suite.table(spec, out), end="")
+    return 0
+
+
 def _partition(cfg, plot_path: str) -> int:
-    from fedjax_rcl.config import ConfigError
     from fedjax_rcl.data import class_counts, heterogeneity_summary, load_dataset, plot_class_counts
     from fedjax_rcl.experiment import make_partition
+    from fedjax_rcl.validation import ConfigError
 
     parent = os.path.dirname(os.path.abspath(plot_path))
     if not os.path.isdir(parent):  # checked before the data is loaded

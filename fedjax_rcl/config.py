@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import math
 import re
 from dataclasses import dataclass, field
 
@@ -21,95 +20,145 @@ from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
 from fedjax_rcl.tracking import TrackingConfig
+from fedjax_rcl.validation import CheckContext, ConfigError, check_levels, finite, require
 
-
-class ConfigError(ValueError):
-    """A bad configuration. ``str(err)`` is one line per problem, each naming the field."""
-
-    def __init__(self, problems: list[str]):
-        self.problems = list(problems)
-        super().__init__("\n".join(self.problems))
+__all__ = ["CheckContext", "ConfigError", "CoreConfig", "check_levels", "finite", "flat_keys",
+           "load_config", "schema", "to_yaml", "validate"]
 
 
 @dataclass
 class ServerConfig:
-    """Server optimizer on the pseudo-gradient (SPEC §6); each registered optimizer adds its
-    own section here (``server.fedadam.tau``)."""
+    """The server optimizer on the pseudo-gradient; each registered optimizer adds its own
+    section here (``server.fedadam.tau``).
 
-    optimizer: str = "fedavg"  # see SERVER_OPTIMIZERS (fedavg | fedavgm | fedadam | fedacg)
-    lr: float | None = None  # server learning rate; null: the optimizer's default
+    Attributes:
+      optimizer: what the server does with the clients' mean model: ``fedavg`` takes it,
+        ``fedavgm`` adds momentum, ``fedadam`` Adam's scaling, ``fedacg`` a look-ahead.
+      lr: the server learning rate; null: the optimizer's default (1; FedAdam 0.01).
+    """
+
+    optimizer: str = "fedavg"
+    lr: float | None = None
 
 
 @dataclass
 class DistributedConfig:
     """Several processes (hosts) as one JAX cluster; every process runs the same command with
-    its own ``process_id``."""
+    its own ``process_id``.
 
-    coordinator_address: str | None = None  # host:port of process 0
+    Attributes:
+      coordinator_address: ``host:port`` of process 0 (needed when ``num_processes > 1``).
+      num_processes: processes in the cluster.
+      process_id: this process's index, 0 to ``num_processes - 1``.
+    """
+
+    coordinator_address: str | None = None
     num_processes: int = 1
     process_id: int = 0
 
 
 @dataclass
 class CoreConfig:
-    """One federated run's core keys, named as in the README and SPEC. ``Config`` adds a
-    section per registered algorithm (``fedrcl.beta``) and server optimizer
-    (``server.fedadam.tau``).
+    """One federated run's core keys. ``Config`` adds a section per registered algorithm
+    (``fedrcl.beta``) and server optimizer (``server.fedadam.tau``); ``validate`` enforces
+    the ranges.
 
-    Attributes are documented inline; ranges are enforced by ``validate``.
+    Attributes:
+      seed: the root of every random choice of the run: the split, the initial weights, the
+        client sampling and each client's shuffles and augmentations.
+      init_threefry_partitionable: draw the initial weights with threefry's partitionable
+        bit layout (JAX's default), as the project's earliest runs did, so that a new run can
+        share their start.
+      dataset: ``digits`` (offline default), ``cifar10``, ``cifar100``, ``tiny_imagenet``, or
+        ``imagefolder:PATH`` (a directory or .zip holding ``train/<class>/*`` and
+        ``test/<class>/*``).
+      data_dir: the TFDS data directory (cifar10, cifar100) or where Tiny-ImageNet's archive
+        is; null: TFDS's default.
+      model: the network every client trains.
+      width: a ResNet's first-stage channels (stages w, 2w, 4w, 8w); null: 64.
+      plugins: modules to import first; they register algorithms, models or server
+        optimizers, so that this config may name them.
+      algorithm: the client algorithm (the local objective and any per-client state).
+      num_clients: clients in the federation.
+      participation: the fraction of clients sampled each round (at least one).
+      partition: how the training set is split among clients.
+      alpha: the Dirichlet concentration (smaller: more heterogeneous clients).
+      balanced: Dirichlet split with equal client sizes (the FedRCL reference's), or MOON's
+        per-class split (false).
+      shards_per_client: ``partition=shards``: label-sorted shards per client.
+      rounds: rounds of the run.
+      local_epochs: passes over its data a sampled client makes per round.
+      batch_size: samples per local step.
+      lr: the client learning rate at round 0, epoch 0.
+      lr_decay: the client learning rate is ``lr * lr_decay ** (round + epoch)``, as the
+        FedRCL reference decays it.
+      momentum: the client SGD momentum.
+      weight_decay: coupled weight decay of the client SGD (added to the clipped gradient).
+      clip_norm: global gradient-norm clipping of each local step; 0 disables it.
+      aggregation: client weights of the server mean: by data size, or uniform.
+      augment: random rotation, crop and flip during local training.
+      eval_every: rounds between evaluations (the rounds in between run as one compiled call).
+      checkpoint_every: save at the first evaluation at least this many rounds after the last
+        save, and at the end; 0: only at the end.
+      keep_checkpoints: newest checkpoints kept.
+      eval_batch_size: test images per evaluation batch.
+      ema_decay: the decay of the smoothed test accuracy the papers report.
+      analysis_every: every this many rounds, the representation analysis (effective rank,
+        VCI, class covariances of the global and one local model's features; the
+        participation histogram); 0: off.
+      analysis_images: test images the analysis uses (a fixed class-balanced subset).
+      conv_impl: how convolutions run: ``auto`` picks ``cpu`` on CPUs (oneDNN, else the
+        matmul forms) and ``native`` elsewhere.
+      devices: devices the sampled clients are sharded over; 0: every device.
+      clients_in_parallel: clients trained side by side within a round; 0: chosen per model
+        and backend (all at once, or one at a time where that is faster).
+      client_states: where the per-client state table (MOON's previous local models) lives:
+        on the device, or in host memory.
+      norm: the normalisation of the models that offer a choice (``twin`` needs a two-view
+        algorithm).
+      run_dir: the run directory; null: ``runs/<dataset>-<algorithm>-<time>-<4 hex>``.
     """
 
     seed: int = 0
-    # true: initial weights from threefry's partitionable bit layout (JAX's default), as every
-    # run that started before commit 84cb623 drew them; so a new run can share their start.
     init_threefry_partitionable: bool = False
-    dataset: str = "digits"  # digits | cifar10 | cifar100 | tiny_imagenet | imagefolder:PATH
-    data_dir: str | None = None  # TFDS data dir (cifar10/100); tiny_imagenet's archive dir
-    model: str = "cnn"  # see MODELS (cnn | resnet10 | resnet18 | resnet34)
-    width: int | None = None  # ResNets: channels of the first stage (w, 2w, 4w, 8w); null: 64
-    # Modules to import first: they register algorithms, models or server optimizers
-    # (fedjax_rcl.registry), so that this config may name them.
+    dataset: str = "digits"
+    data_dir: str | None = None
+    model: str = "cnn"
+    width: int | None = None
     plugins: list[str] = field(default_factory=list)
-    algorithm: str = "fedrcl"  # see ALGORITHMS (fedavg | fedprox | fedrcl | moon | ...)
+    algorithm: str = "fedrcl"
     num_clients: int = 20
-    participation: float = 0.25  # fraction of clients sampled each round
-    partition: str = "dirichlet"  # iid | dirichlet | shards
-    alpha: float = 0.3  # Dirichlet concentration
-    balanced: bool = True  # dirichlet: the reference's equal-size split (True) or MOON's (False)
-    shards_per_client: int = 2  # shards: gamma
+    participation: float = 0.25
+    partition: str = "dirichlet"
+    alpha: float = 0.3
+    balanced: bool = True
+    shards_per_client: int = 2
     rounds: int = 100
     local_epochs: int = 5
     batch_size: int = 50
-    lr: float = 0.1  # client learning rate at round 0, epoch 0
-    lr_decay: float = 0.998  # lr * lr_decay ** (round + epoch), as the reference
+    lr: float = 0.1
+    lr_decay: float = 0.998
     momentum: float = 0.0
     weight_decay: float = 1e-3
-    clip_norm: float = 10.0  # global gradient-norm clipping; 0 disables
-    aggregation: str = "size"  # size | uniform
-    augment: bool = True  # rotation, crop, flip during local training
-    eval_every: int = 1  # rounds between evaluations (the rounds in between are fused)
-    # Save at the first evaluation at least this many rounds after the last save (0: at the end).
+    clip_norm: float = 10.0
+    aggregation: str = "size"
+    augment: bool = True
+    eval_every: int = 1
     checkpoint_every: int = 10
-    keep_checkpoints: int = 3  # newest checkpoints kept
+    keep_checkpoints: int = 3
     eval_batch_size: int = 500
     ema_decay: float = 0.9
-    # Representation analysis (effective rank, VCI, class covariances of the global and one
-    # local model's penultimate features; participation) every this many rounds, 0: off.
     analysis_every: int = 0
-    analysis_images: int = 1000  # test images analysed (a fixed class-balanced subset)
-    # auto (cpu on CPU, native on GPU/TPU) | cpu (oneDNN, else rows/patches) | onednn | patches
-    # | rows | native
+    analysis_images: int = 1000
     conv_impl: str = "auto"
-    devices: int = 1  # devices the sampled clients are sharded over (0: every device)
-    # clients trained side by side; 0: auto (all sampled at once; ResNets on CPU one at a time)
+    devices: int = 1
     clients_in_parallel: int = 0
-    client_states: str = "device"  # device | host: where the per-client state table lives
-    norm: str = "group"  # group | batch | twin (ResNets; twin needs a two-view algorithm)
-    run_dir: str | None = None  # default: runs/<dataset>-<algorithm>-<timestamp>
+    client_states: str = "device"
+    norm: str = "group"
+    run_dir: str | None = None
     server: ServerConfig = field(default_factory=ServerConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
-    # Mirrors of metrics.jsonl: TensorBoard event files, a Weights & Biases run
-    # (fedjax_rcl.tracking); they change no result.
+    # Mirrors of metrics.jsonl (TensorBoard, Weights & Biases); they change no result.
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
 
 
@@ -310,11 +359,12 @@ RESUME_SAFE_KEYS = ("rounds", "checkpoint_every", "keep_checkpoints", "eval_batc
 DIGEST_NEUTRAL_DEFAULTS = {"mfcl.bn_statistics": "running", "init_threefry_partitionable": False}
 
 
-def _flat(d: dict, prefix: str = "") -> dict:
+def flat_keys(d: dict, prefix: str = "") -> dict:
+    """A nested mapping as dotted keys: ``{"server": {"lr": 1}} -> {"server.lr": 1}``."""
     out = {}
     for k, v in d.items():
         if isinstance(v, dict):
-            out.update(_flat(v, f"{prefix}{k}."))
+            out.update(flat_keys(v, f"{prefix}{k}."))
         else:
             out[f"{prefix}{k}"] = v
     return out
@@ -330,16 +380,16 @@ def _result_settings(cfg: CoreConfig) -> dict:
     for f in dataclasses.fields(cfg):
         value = getattr(cfg, f.name)
         if f.name == "server":
-            flat.update({f"server.{k}": v for k, v in _flat(dataclasses.asdict(value)).items()
+            flat.update({f"server.{k}": v for k, v in flat_keys(dataclasses.asdict(value)).items()
                          if "." not in k or k.startswith(f"{value.optimizer}.")})
         elif f.name == "tracking":
             continue  # where metrics are mirrored changes no result
         elif dataclasses.is_dataclass(value) and f.name != "distributed":
             entry = registry.ALGORITHMS.get(cfg.algorithm)
             if entry is not None and entry.section == f.name:
-                flat.update(_flat(dataclasses.asdict(value), f"{f.name}."))
+                flat.update(flat_keys(dataclasses.asdict(value), f"{f.name}."))
         elif dataclasses.is_dataclass(value):
-            flat.update(_flat(dataclasses.asdict(value), f"{f.name}."))
+            flat.update(flat_keys(dataclasses.asdict(value), f"{f.name}."))
         elif f.name != "plugins":
             flat[f.name] = value
     return {k: v for k, v in flat.items() if k not in RESUME_SAFE_KEYS
@@ -359,15 +409,15 @@ def config_digest(cfg: CoreConfig) -> str:
                           ).hexdigest()[:16]
 
 
-# The algorithm sections every config had before the registry (2026-11-24).
+# The algorithm sections every config had before algorithms registered their own.
 _LEGACY_SECTIONS = ("fedprox", "fedrcl", "fedcl", "moon")
 
 
 def legacy_config_digest(cfg: CoreConfig) -> str:
-    """The digest checkpoints written before the registry carry: every key of that day's
-    config (all four algorithm sections, no server-optimizer sections, no ``plugins``), so
+    """The digest checkpoints written before the registry carry: every key of the config of
+    that time (all four algorithm sections, no server-optimizer sections, no ``plugins``), so
     that those runs still resume."""
-    flat = _flat(dataclasses.asdict(cfg))
+    flat = flat_keys(dataclasses.asdict(cfg))
     known = {f.name for f in dataclasses.fields(CoreConfig)} - {"plugins"}
     keep = {k: v for k, v in flat.items()
             if k not in RESUME_SAFE_KEYS
@@ -401,31 +451,13 @@ def to_dict(cfg: CoreConfig) -> dict:
     return dataclasses.asdict(cfg)
 
 
-def finite(x) -> bool:
-    """A real number, not NaN or infinite (for sections' ``check``)."""
-    return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)
-
-
-def check_levels(levels, ctx) -> list[str]:
-    """Problems with a ``levels`` list (None: all) for the model of ``ctx`` (a section's
-    ``check`` helper)."""
-    n = ctx.num_levels
-    if levels is None or n is None:
-        return []
-    ok = len(levels) > 0 and all(-n <= i < n for i in levels)
-    ok = ok and len({i % n for i in levels}) == len(levels)
-    return [] if ok else [
-        f"levels={list(levels)!r}: model={ctx.model} has {n} feature levels: give distinct "
-        f"indices in [{-n}, {n - 1}] (null for all, [-1] for the last)"]
-
-
 def _validate_sections(cfg: CoreConfig, p: list[str]) -> None:
     """Each section's own ``check``, every section (a YAML may set several), each problem
     prefixed with the section's key."""
     from fedjax_rcl import registry
 
     model = registry.MODELS.get(cfg.model)
-    ctx = registry.CheckContext(cfg.model, model.num_levels if model else None,
+    ctx = CheckContext(cfg.model, model.num_levels if model else None,
                                 model.num_blocks if model else None, cfg.algorithm, cfg.norm)
     sections = [(f.name, getattr(cfg, f.name)) for f in dataclasses.fields(cfg)
                 if f.name not in ("server", "distributed")
@@ -437,11 +469,6 @@ def _validate_sections(cfg: CoreConfig, p: list[str]) -> None:
         check = getattr(section, "check", None)
         if check is not None:
             p.extend(f"{key}.{problem}" for problem in check(ctx))
-
-
-def _check(problems: list[str], ok: bool, name: str, value, allowed: str) -> None:
-    if not ok:
-        problems.append(f"{name}={value!r}: {allowed}")
 
 
 def _check_onednn(p: list[str]) -> None:
@@ -475,8 +502,8 @@ def validate(cfg: CoreConfig, *, check_data: bool = True) -> None:
     registry.load_builtins()
     models, algorithms = registry.MODELS, registry.ALGORITHMS
     p: list[str] = []
-    _check(p, cfg.seed >= 0, "seed", cfg.seed, "must be an integer >= 0")
-    _check(p, cfg.model in models, "model", cfg.model, f"allowed: {', '.join(models)}")
+    require(p, cfg.seed >= 0, "seed", cfg.seed, "must be an integer >= 0")
+    require(p, cfg.model in models, "model", cfg.model, f"allowed: {', '.join(models)}")
     model = models.get(cfg.model)
     if cfg.width is not None:
         if model is not None and not model.width:
@@ -484,74 +511,74 @@ def validate(cfg: CoreConfig, *, check_data: bool = True) -> None:
             p.append(f"width={cfg.width!r}: model={cfg.model} has a fixed width; width applies "
                      f"to {', '.join(width_models)} (or leave it null)")
         else:
-            _check(p, cfg.width >= 2 and cfg.width % 2 == 0, "width", cfg.width,
+            require(p, cfg.width >= 2 and cfg.width % 2 == 0, "width", cfg.width,
                    "must be an even number >= 2 (GroupNorm's 2 groups split the channels)")
-    _check(p, cfg.algorithm in algorithms, "algorithm", cfg.algorithm,
+    require(p, cfg.algorithm in algorithms, "algorithm", cfg.algorithm,
            f"allowed: {', '.join(algorithms)}")
-    _check(p, cfg.num_clients >= 1, "num_clients", cfg.num_clients, "must be >= 1")
-    _check(p, finite(cfg.participation) and 0 < cfg.participation <= 1, "participation",
+    require(p, cfg.num_clients >= 1, "num_clients", cfg.num_clients, "must be >= 1")
+    require(p, finite(cfg.participation) and 0 < cfg.participation <= 1, "participation",
            cfg.participation, "must be in (0, 1]")
-    _check(p, cfg.partition in METHODS, "partition", cfg.partition,
+    require(p, cfg.partition in METHODS, "partition", cfg.partition,
            f"allowed: {', '.join(METHODS)}")
     if cfg.partition == "dirichlet":
-        _check(p, finite(cfg.alpha) and cfg.alpha > 0, "alpha", cfg.alpha,
+        require(p, finite(cfg.alpha) and cfg.alpha > 0, "alpha", cfg.alpha,
                "must be a finite number > 0 (Dirichlet concentration)")
     if cfg.partition == "shards":
-        _check(p, cfg.shards_per_client >= 1, "shards_per_client", cfg.shards_per_client,
+        require(p, cfg.shards_per_client >= 1, "shards_per_client", cfg.shards_per_client,
                "must be >= 1")
-    _check(p, cfg.rounds >= 1, "rounds", cfg.rounds, "must be >= 1")
-    _check(p, cfg.local_epochs >= 1, "local_epochs", cfg.local_epochs, "must be >= 1")
-    _check(p, cfg.batch_size >= 1, "batch_size", cfg.batch_size, "must be >= 1")
-    _check(p, finite(cfg.lr) and cfg.lr > 0, "lr", cfg.lr, "must be a finite number > 0")
-    _check(p, finite(cfg.lr_decay) and 0 < cfg.lr_decay <= 1, "lr_decay", cfg.lr_decay,
+    require(p, cfg.rounds >= 1, "rounds", cfg.rounds, "must be >= 1")
+    require(p, cfg.local_epochs >= 1, "local_epochs", cfg.local_epochs, "must be >= 1")
+    require(p, cfg.batch_size >= 1, "batch_size", cfg.batch_size, "must be >= 1")
+    require(p, finite(cfg.lr) and cfg.lr > 0, "lr", cfg.lr, "must be a finite number > 0")
+    require(p, finite(cfg.lr_decay) and 0 < cfg.lr_decay <= 1, "lr_decay", cfg.lr_decay,
            "must be in (0, 1]")
-    _check(p, finite(cfg.momentum) and 0 <= cfg.momentum < 1, "momentum", cfg.momentum,
+    require(p, finite(cfg.momentum) and 0 <= cfg.momentum < 1, "momentum", cfg.momentum,
            "must be in [0, 1)")
-    _check(p, finite(cfg.weight_decay) and cfg.weight_decay >= 0, "weight_decay",
+    require(p, finite(cfg.weight_decay) and cfg.weight_decay >= 0, "weight_decay",
            cfg.weight_decay, "must be >= 0")
-    _check(p, finite(cfg.clip_norm) and cfg.clip_norm >= 0, "clip_norm", cfg.clip_norm,
+    require(p, finite(cfg.clip_norm) and cfg.clip_norm >= 0, "clip_norm", cfg.clip_norm,
            "must be >= 0 (0 disables clipping)")
-    _check(p, cfg.aggregation in AGGREGATIONS, "aggregation", cfg.aggregation,
+    require(p, cfg.aggregation in AGGREGATIONS, "aggregation", cfg.aggregation,
            f"allowed: {', '.join(AGGREGATIONS)}")
-    _check(p, cfg.eval_every >= 1, "eval_every", cfg.eval_every, "must be >= 1")
-    _check(p, isinstance(cfg.analysis_every, int) and cfg.analysis_every >= 0
+    require(p, cfg.eval_every >= 1, "eval_every", cfg.eval_every, "must be >= 1")
+    require(p, isinstance(cfg.analysis_every, int) and cfg.analysis_every >= 0
            and (cfg.analysis_every == 0 or cfg.eval_every < 1
                 or cfg.analysis_every % cfg.eval_every == 0),
            "analysis_every", cfg.analysis_every,
            f"must be 0 (off) or a multiple of eval_every={cfg.eval_every}")
-    _check(p, isinstance(cfg.analysis_images, int) and cfg.analysis_images >= 2,
+    require(p, isinstance(cfg.analysis_images, int) and cfg.analysis_images >= 2,
            "analysis_images", cfg.analysis_images, "must be >= 2")
-    _check(p, cfg.eval_batch_size >= 1, "eval_batch_size", cfg.eval_batch_size, "must be >= 1")
-    _check(p, cfg.checkpoint_every >= 0, "checkpoint_every", cfg.checkpoint_every,
+    require(p, cfg.eval_batch_size >= 1, "eval_batch_size", cfg.eval_batch_size, "must be >= 1")
+    require(p, cfg.checkpoint_every >= 0, "checkpoint_every", cfg.checkpoint_every,
            "must be >= 0 (0: only at the end)")
-    _check(p, cfg.keep_checkpoints >= 1, "keep_checkpoints", cfg.keep_checkpoints, "must be >= 1")
-    _check(p, finite(cfg.ema_decay) and 0 <= cfg.ema_decay < 1, "ema_decay", cfg.ema_decay,
+    require(p, cfg.keep_checkpoints >= 1, "keep_checkpoints", cfg.keep_checkpoints, "must be >= 1")
+    require(p, finite(cfg.ema_decay) and 0 <= cfg.ema_decay < 1, "ema_decay", cfg.ema_decay,
            "must be in [0, 1)")
-    _check(p, cfg.devices >= 0, "devices", cfg.devices, "must be >= 0 (0: every device)")
-    _check(p, cfg.clients_in_parallel >= 0, "clients_in_parallel", cfg.clients_in_parallel,
+    require(p, cfg.devices >= 0, "devices", cfg.devices, "must be >= 0 (0: every device)")
+    require(p, cfg.clients_in_parallel >= 0, "clients_in_parallel", cfg.clients_in_parallel,
            "must be >= 0 (0: all sampled clients at once)")
-    _check(p, cfg.client_states in ("device", "host"), "client_states", cfg.client_states,
+    require(p, cfg.client_states in ("device", "host"), "client_states", cfg.client_states,
            "allowed: device, host")
     d = cfg.distributed
-    _check(p, d.num_processes >= 1, "distributed.num_processes", d.num_processes, "must be >= 1")
-    _check(p, 0 <= d.process_id < max(d.num_processes, 1), "distributed.process_id",
+    require(p, d.num_processes >= 1, "distributed.num_processes", d.num_processes, "must be >= 1")
+    require(p, 0 <= d.process_id < max(d.num_processes, 1), "distributed.process_id",
            d.process_id, f"must be in [0, {d.num_processes - 1}]")
-    _check(p, d.num_processes == 1 or bool(cfg.run_dir), "run_dir", cfg.run_dir,
+    require(p, d.num_processes == 1 or bool(cfg.run_dir), "run_dir", cfg.run_dir,
            "must be set explicitly when num_processes > 1 (all processes share it)")
-    _check(p, d.num_processes == 1 or bool(d.coordinator_address),
+    require(p, d.num_processes == 1 or bool(d.coordinator_address),
            "distributed.coordinator_address", d.coordinator_address,
            "required (host:port of process 0) when num_processes > 1")
-    _check(p, cfg.conv_impl in CONV_IMPLS, "conv_impl", cfg.conv_impl,
+    require(p, cfg.conv_impl in CONV_IMPLS, "conv_impl", cfg.conv_impl,
            f"allowed: {', '.join(CONV_IMPLS)}")
     if cfg.conv_impl == "onednn":
         _check_onednn(p)
-    _check(p, cfg.norm in NORMS, "norm", cfg.norm, f"allowed: {', '.join(NORMS)}")
-    _check(p, cfg.server.optimizer in registry.SERVER_OPTIMIZERS, "server.optimizer",
+    require(p, cfg.norm in NORMS, "norm", cfg.norm, f"allowed: {', '.join(NORMS)}")
+    require(p, cfg.server.optimizer in registry.SERVER_OPTIMIZERS, "server.optimizer",
            cfg.server.optimizer, f"allowed: {', '.join(registry.SERVER_OPTIMIZERS)}")
-    _check(p, cfg.server.lr is None or (finite(cfg.server.lr) and cfg.server.lr > 0),
+    require(p, cfg.server.lr is None or (finite(cfg.server.lr) and cfg.server.lr > 0),
            "server.lr", cfg.server.lr, "must be a finite number > 0 (null: the optimizer's "
            "default)")
-    _check(p, cfg.run_dir is None or cfg.run_dir.strip() != "", "run_dir", cfg.run_dir,
+    require(p, cfg.run_dir is None or cfg.run_dir.strip() != "", "run_dir", cfg.run_dir,
            "must be a path or null")
     if model is not None and cfg.norm in NORMS and cfg.norm not in model.norms:
         p.append(f"norm={cfg.norm!r}: model={cfg.model} takes norm "

@@ -1,15 +1,16 @@
 """Build: from a validated config to an ``Experiment``, every piece of a run assembled and
 nothing compiled yet (data on device, partition, model, client algorithm, client and server
-optimizers, the fused-rounds program, evaluation).
+optimizers, the round, the client-table strategy, evaluation).
 
-The composition root reads build -> loop -> record: ``experiment.build`` (here), then
-``training.train`` / ``training.resume`` (the compiled round loop, metrics and checkpoints),
-with the run directory's files and lock in ``rundir``.
+The composition root reads build -> loop -> record: ``experiment.build`` (here), then a
+command's program (``training`` for ``train``, ``mfcl.run`` for ``mfcl``) runs the stages of
+``loop.run_stage``, with the run directory's files and lock in ``rundir``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable
 
@@ -21,10 +22,7 @@ from jax.sharding import Mesh
 
 from fedjax_rcl import registry
 from fedjax_rcl.algorithms import ClientAlgorithm, make_algorithm, model_kwargs
-from fedjax_rcl.config import (
-    ConfigError,
-    CoreConfig,
-)
+from fedjax_rcl.config import CoreConfig
 from fedjax_rcl.data import ImageDataset, load_dataset, partition
 from fedjax_rcl.data.device import ClientData, TestData, pack_clients, pack_test
 from fedjax_rcl.engine.client import (
@@ -36,23 +34,38 @@ from fedjax_rcl.engine.client import (
 from fedjax_rcl.engine.evaluate import make_evaluate
 from fedjax_rcl.engine.round import (
     ServerState,
+    clients_per_round,
     init_key,
     init_server_state,
     make_round,
-    make_run_rounds,
 )
-from fedjax_rcl.engine.sharding import (
-    client_mesh,
-    put_client_table,
-    put_replicated,
-)
+from fedjax_rcl.engine.sharding import client_mesh, put_replicated
+from fedjax_rcl.engine.tables import Advance, ClientTable, client_table
 from fedjax_rcl.models import ModelFns, get_model, model_fns
 from fedjax_rcl.server import server_optimizer
+from fedjax_rcl.validation import ConfigError
 
 
 @dataclasses.dataclass(kw_only=True)
 class Experiment:
-    """Everything a run needs, built from its config."""
+    """Everything a run needs, built from its config.
+
+    Attributes:
+      cfg, dataset, parts: the config, the data in host memory, each client's train indices.
+      model, algorithm, settings: what trains, on what objective, how (static settings).
+      data, test: the training set with the client index table, and the test batches, on
+        the device.
+      state: the state before round 0, placed by ``table``.
+      local_update: pure, one client (``engine.client.make_local_update``).
+      round_rows: pure ``(state, data, rows) -> (state, metrics, new_rows)``, one round over
+        the sampled clients' state rows (``engine.round.make_round``).
+      table: where the per-client state table lives (``engine.tables``).
+      evaluate: jitted ``(params, model_state, test) -> {"accuracy", "loss"}``.
+      server_start: ``(params, opt_state) -> params``, what clients start local training from
+        (the server optimizer's; FedACG's look-ahead), for side computations such as the
+        analysis.
+      mesh: the clients mesh, None on one device.
+    """
 
     cfg: CoreConfig
     dataset: ImageDataset
@@ -63,18 +76,25 @@ class Experiment:
     test: TestData
     state: ServerState
     settings: LocalTraining
-    local_update: Callable  # pure, one client: see engine.client.make_local_update
-    run_round: Callable  # pure (state, data) -> (state, metrics)
-    run_rounds: Callable  # jitted (state, data, n) -> (state, metrics[eval_every])
-    evaluate: Callable  # jitted (params, model_state, test) -> metrics
-    mesh: Mesh | None = None  # the clients mesh, None on one device
-    # ``client_states=host``: the per-client state table as NumPy arrays in host memory, and
-    # the jitted single round that takes and returns the sampled clients' rows.
-    host_table: object = None
-    round_step: Callable | None = None
-    # What clients start local training from: ``(params, opt_state) -> params`` (the server
-    # optimizer's; FedACG's look-ahead), for side computations such as the analysis.
-    server_start: Callable | None = None
+    local_update: Callable
+    round_rows: Callable
+    table: ClientTable
+    evaluate: Callable
+    server_start: Callable
+    mesh: Mesh | None = None
+
+    @functools.cached_property
+    def run_round(self) -> Callable:
+        """Pure ``(state, data) -> (state, metrics)``: one round over a state that holds its
+        client table (``client_states=device``)."""
+        return self.table.run_round(self.round_rows)
+
+    def compile_rounds(self, capacity: int | None = None) -> Advance:
+        """Compiles the rounds between evaluations: ``advance(state, n) -> (state,
+        metrics)`` for up to ``capacity`` (default ``cfg.eval_every``) rounds per call, the
+        metrics as NumPy arrays ``[n, ...]``."""
+        return self.table.compile(self.round_rows, self.state, self.data,
+                                  capacity or self.cfg.eval_every)
 
 
 def make_partition(cfg: CoreConfig, labels: np.ndarray) -> list[np.ndarray]:
@@ -95,13 +115,12 @@ def clients_in_parallel(cfg: CoreConfig, platform: str | None = None) -> int | N
     ResNets), likewise on a GPU.
 
     Why: on a CPU, batching clients buys no throughput (the cores are busy with one client's
-    convolutions) and costs cache and memory; for ResNet-18 a FedRCL round of 5 clients takes
-    0.77x the time one after another with the patch convolutions, 0.74x with oneDNN's
-    (benchmarks/HISTORY.md); the pfl workload's round (50 clients of pfl's CNN, 1.6M weights)
-    0.68x. MOON's CNN (small weights) is as fast either way, within noise, so it stays vmapped.
-    On an H200, vmapped clients' convolutions become grouped convolutions: a ResNet-18 FedAvg
-    round of 5 clients (50 local steps each) took 1.40 s vmapped, 0.73 s one after another in
-    the same compiled program (BENCHMARKS.md). TPUs keep the vmapped layout (not measured).
+    convolutions) and costs cache and memory, so a ResNet round and the pfl workload's round
+    are faster one client after another; MOON's CNN (small weights) is as fast either way, so
+    it stays vmapped. On a GPU, vmapped clients' convolutions become grouped convolutions, and
+    a ResNet-18 round was faster one client after another in the same compiled program. The
+    measurements are in BENCHMARKS.md ("Clients side by side"). TPUs keep the vmapped layout
+    (not measured).
     """
     if cfg.clients_in_parallel:
         return cfg.clients_in_parallel
@@ -160,6 +179,7 @@ def build(cfg: CoreConfig, dataset: ImageDataset | None = None, *,
         hflip=dataset.hflip,
         augment=cfg.augment,
         num_classes=dataset.num_classes,
+        num_views=registry.algorithm(cfg.algorithm).num_views,
     )
     if algorithm.optimizer is not None:  # the algorithm prescribes its own (MFCL: Adam)
         opt = algorithm.optimizer(cfg.lr, clip_norm=cfg.clip_norm,
@@ -170,45 +190,19 @@ def build(cfg: CoreConfig, dataset: ImageDataset | None = None, *,
     sopt = server_optimizer(cfg)
     local_update = make_local_update(model, algorithm, opt, settings,
                                      penalty=sopt.client_penalty, penalty_name=sopt.penalty_name)
-    host = cfg.client_states == "host"
     reports = report_like(model, algorithm, params, model_state, dataset.image_shape,
-                          cfg.batch_size)
-    run_round = make_round(local_update, sopt, num_clients=cfg.num_clients,
-                           server_message=algorithm.server_message,
-                           participation=cfg.participation, aggregation=cfg.aggregation,
-                           mesh=mesh, clients_in_parallel=clients_in_parallel(cfg),
-                           host_states=host)
-    evaluate = jax.jit(make_evaluate(model, mean=dataset.mean, std=dataset.std))
-    if host:
-        one = jax.device_get(algorithm.init_client_state(params, model_state))
-        host_table = jax.tree.map(
-            lambda x: np.repeat(np.asarray(x)[None], cfg.num_clients, axis=0), one)
-        state = init_server_state(params, model_state, algorithm, sopt, 0, root, reports)
-        state = put_replicated(jax.device_get(state.replace(client_states=())), mesh)
-        return Experiment(cfg=cfg, dataset=dataset, parts=parts, model=model,
-                          algorithm=algorithm, data=data, test=test, state=state,
-                          settings=settings, local_update=local_update, run_round=run_round,
-                          run_rounds=None, evaluate=evaluate, mesh=mesh, host_table=host_table,
-                          round_step=jax.jit(run_round, donate_argnums=0),
-                          server_start=sopt.start)
-    run_rounds = jax.jit(make_run_rounds(run_round, cfg.eval_every), donate_argnums=0)
-    state = jax.device_get(
-        init_server_state(params, model_state, algorithm, sopt, cfg.num_clients, root, reports))
-    state = put_replicated(state.replace(client_states=()), mesh).replace(
-        client_states=put_client_table(state.client_states, mesh))
+                          cfg.batch_size, settings.num_views)
+    round_rows = make_round(local_update, sopt, num_clients=cfg.num_clients,
+                            server_message=algorithm.server_message,
+                            participation=cfg.participation, aggregation=cfg.aggregation,
+                            mesh=mesh, clients_in_parallel=clients_in_parallel(cfg))
+    table = client_table(cfg.client_states, cfg.num_clients,
+                         clients_per_round(cfg.num_clients, cfg.participation), mesh)
+    state = init_server_state(params, model_state, algorithm, sopt, root, reports)
+    state = table.place(jax.device_get(state), algorithm.init_client_state(params, model_state))
     return Experiment(cfg=cfg, dataset=dataset, parts=parts, model=model, algorithm=algorithm,
                       data=data, test=test, state=state, settings=settings,
-                      local_update=local_update, run_round=run_round, run_rounds=run_rounds,
-                      evaluate=evaluate, mesh=mesh, server_start=sopt.start)
-
-
-# The run functions live in ``fedjax_rcl.training``; these names stay importable from here.
-_TRAINING_NAMES = ("TrainingError", "train", "resume", "load_run", "evaluate_run")
-
-
-def __getattr__(name: str):
-    if name in _TRAINING_NAMES:
-        from fedjax_rcl import training
-
-        return getattr(training, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+                      local_update=local_update, round_rows=round_rows, table=table,
+                      evaluate=jax.jit(make_evaluate(model, mean=dataset.mean,
+                                                     std=dataset.std)),
+                      server_start=sopt.start, mesh=mesh)

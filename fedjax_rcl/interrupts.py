@@ -41,11 +41,14 @@ def set_status(message: str) -> None:
     _status[0] = message
 
 
-def resume_status(run_dir, round_: int | None) -> None:
-    """Sets the status of a run directory whose newest complete checkpoint is ``round_``
-    (None: none yet; resume then starts the run from round 0)."""
-    saved = ("no complete checkpoint yet (resume starts from round 0)" if round_ is None
-             else f"last complete checkpoint: round {round_}")
+def resume_status(run_dir, where: int | str | None) -> None:
+    """Sets the status of a run directory whose newest complete checkpoint is ``where``: a
+    round number, a label such as ``"phase 2 epoch 3"``, or None (none yet; resume then
+    starts the run from the beginning)."""
+    if isinstance(where, int):
+        where = f"round {where}"
+    saved = ("no complete checkpoint yet (resume starts from round 0)" if where is None
+             else f"last complete checkpoint: {where}")
     set_status(f"run_dir {run_dir}: {saved}; continue with: fedjax-rcl resume {run_dir}")
 
 

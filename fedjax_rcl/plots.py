@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
+
+from fedjax_rcl.metrics.lines import loss_terms
 
 
 def read_metrics(path: str | Path) -> list[dict]:
@@ -39,12 +42,11 @@ def plot_metrics(metrics_path: str | Path, out_path: str | Path, *, title: str =
     ax_acc.legend()
     ax_test.plot(rounds, [r["test_loss"] for r in rows])
     ax_test.set_ylabel("test cross-entropy")
-    terms = [k for k in rows[0] if k not in ("round", "test_accuracy", "test_accuracy_ema",
-                                            "test_loss", "train_loss", "elapsed_s", "round_s",
-                                            "total_s")] if rows else []
     ax_train.plot(rounds, [r["train_loss"] for r in rows], lw=2, label="local objective")
-    for k in terms:
-        ax_train.plot(rounds, [r[k] for r in rows], lw=1, label=k)
+    # Terms from every line (a resumed run may switch the analysis on or off, and its fields
+    # are not loss terms); a term missing from a line is a gap.
+    for k in loss_terms(rows):
+        ax_train.plot(rounds, [r.get(k, math.nan) for r in rows], lw=1, label=k)
     ax_train.set_ylabel("local training loss (mean over clients)")
     for ax in (ax_test, ax_train):
         ax.set_xlabel("round")

@@ -24,12 +24,13 @@ same way and is named in the run config, ``plugins: [my_algorithms]``, so that `
     def build(settings, model):
         def objective(out, params, batch, ctx):
             ...
-        return ClientAlgorithm("label_smoothing", objective)
+        return ClientAlgorithm(objective)
 
     registry.register_algorithm("label_smoothing", build, config=LabelSmoothingConfig)
 
 A section may define ``check(self, ctx: CheckContext) -> list[str]``: one line per problem,
-``"field=value: what is allowed"``; the config prefixes the section's key.
+``"field=value: what is allowed"``; the config prefixes the section's key
+(``fedjax_rcl.validation`` has the context and helpers such as ``finite``).
 """
 
 from __future__ import annotations
@@ -41,29 +42,9 @@ import os
 import pkgutil
 import sys
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 PLUGIN_GROUP = "fedjax_rcl.plugins"
-
-
-class CheckContext(NamedTuple):
-    """What a section's ``check`` may consult besides its own values.
-
-    Attributes:
-      model: the configured model name.
-      num_levels: how many feature levels that model returns (None: unknown model).
-      num_blocks: how many blocks it can be entered after (``ModelEntry.num_blocks``; None:
-        unknown model).
-      algorithm: the configured algorithm (every section is checked, the active one or not:
-        a check about the model's abilities applies only when its algorithm runs).
-      norm: the configured normalisation (``norm``) of the models that offer a choice.
-    """
-
-    model: str
-    num_levels: int | None
-    num_blocks: int | None = None
-    algorithm: str | None = None
-    norm: str | None = None
 
 
 def _no_kwargs(settings) -> dict:
@@ -82,7 +63,9 @@ class AlgorithmEntry:
       config: dataclass of its hyperparameters (None: it has none).
       section: the config key of those hyperparameters (default: ``name``); two algorithms may
         share one (FedSCL reads FedRCL's).
-      num_views: augmented views per sample (known before the model is built).
+      num_views: augmented views of each sample in a local batch (2 for view-contrastive
+        objectives; the engine augments each sample this many times, and ``norm=twin`` needs
+        2). The one place this is declared: it is known before the model is built.
       model_kwargs: ``settings -> dict`` of extra model arguments (MOON's projection head).
       origin: the ``plugins`` module whose import registered it (None: built in, an installed
         entry point, or registered by the running program itself); see ``provided_by``.
@@ -115,10 +98,10 @@ class ModelEntry:
         a CPU (the ResNets, whose convolutions keep the cores busy with one client, and pfl's
         CNN, whose 6.5 MB of weights stay in cache through one client's steps).
       one_client_at_a_time_on_gpu: the same on a GPU: XLA batches a convolution whose weights
-        are vmapped (one set per client) into a grouped convolution, and for ResNet-18 at batch
-        50 one client already keeps an H200 busy, so a round of 5 vmapped clients took 1.91x
-        the time of the same compiled round one client after another (BENCHMARKS.md, "Clients
-        side by side on a GPU"). Set for the ResNets (measured on ResNet-18 only).
+        are vmapped (one set per client) into a grouped convolution, and one ResNet-18 client
+        at batch 50 already keeps a large GPU busy, so vmapped clients were slower than the same
+        compiled round one client after another (BENCHMARKS.md, "Clients side by side on a
+        GPU"). Set for the ResNets (measured on ResNet-18 only).
       num_blocks: the blocks the model is cut into for FedMLB's hybrid paths: its
         ``ModelOutput.blocks`` has this many activations and ``__call__(h, train=..., start=k)``
         runs the model from block ``k`` on ``h = blocks[k - 1]``; 0: the model cannot be entered

@@ -26,6 +26,8 @@ from pathlib import Path
 
 import yaml
 
+from fedjax_rcl.config import flat_keys
+
 # Keys that say nothing about what a run is.
 _IGNORED = {"run_dir", "rounds", "checkpoint_every", "keep_checkpoints", "eval_batch_size",
             "data_dir", "analysis_every", "analysis_images", "plugins", "conv_impl", "devices",
@@ -54,16 +56,6 @@ class Run:
     @property
     def best(self) -> float | None:
         return max((x["test_accuracy"] for x in self.rows), default=None)
-
-
-def _flat(d: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out.update(_flat(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
 
 
 def _section(algorithm) -> str:
@@ -101,7 +93,7 @@ def load_run(path: str | Path) -> Run:
     if not cfg.is_file() or not metrics.is_file():
         raise ReportError(f"{path}: not a run directory (needs config.yaml and metrics.jsonl)")
     try:
-        config = _result_keys(_flat(yaml.safe_load(cfg.read_text()) or {}))
+        config = _result_keys(flat_keys(yaml.safe_load(cfg.read_text()) or {}))
         rows = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()]
     except (yaml.YAMLError, json.JSONDecodeError) as e:
         raise ReportError(f"{path}: unreadable config.yaml or metrics.jsonl ({e})") from None

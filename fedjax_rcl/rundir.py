@@ -22,14 +22,23 @@ import secrets
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Protocol
 
-from fedjax_rcl.config import ConfigError, CoreConfig
+from fedjax_rcl.validation import ConfigError
 
 RUN_FILES = ("config.yaml", "metrics.jsonl", "checkpoints")
 LOCK_FILE = ".lock"
 
 __all__ = ["RUN_FILES", "atomic_write_text", "create_new", "holds_run", "locked",
            "read_metrics_upto", "resolve_new"]
+
+
+class RunNaming(Protocol):
+    """What names a run directory: a run config's ``run_dir``, ``dataset`` and ``algorithm``."""
+
+    run_dir: str | None
+    dataset: str
+    algorithm: str
 
 
 def holds_run(run_dir: Path) -> bool:
@@ -42,7 +51,7 @@ def _refuse_existing(run_dir: Path) -> None:
                        f"'fedjax-rcl resume {run_dir}', or choose another run_dir"])
 
 
-def resolve_new(cfg: CoreConfig) -> Path | None:
+def resolve_new(cfg: RunNaming) -> Path | None:
     """The directory a new run will use: ``cfg.run_dir``, refused if it holds a run; None for
     a default name (made unique by ``create_new``). Checked before any work is done."""
     if not cfg.run_dir:
@@ -55,13 +64,13 @@ def resolve_new(cfg: CoreConfig) -> Path | None:
     return run_dir
 
 
-def _default_name(cfg: CoreConfig) -> str:
+def _default_name(cfg: RunNaming) -> str:
     dataset = cfg.dataset.split(":", 1)[0]
     # The random suffix keeps two runs started in the same second apart.
     return f"{dataset}-{cfg.algorithm}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
 
 
-def create_new(cfg: CoreConfig, run_dir: Path | None) -> Path:
+def create_new(cfg: RunNaming, run_dir: Path | None) -> Path:
     """Creates the run directory (a unique default one when ``run_dir`` is None)."""
     try:
         if run_dir is not None:

@@ -29,18 +29,29 @@ import secrets
 from pathlib import Path
 from typing import Any
 
+from fedjax_rcl.rundir import atomic_write_text
+
 WANDB_MODES = ("online", "offline", "disabled")
 
 
 @dataclasses.dataclass
 class TrackingConfig:
-    """Where the metrics are mirrored besides ``metrics.jsonl``."""
+    """Where the metrics are mirrored besides ``metrics.jsonl`` (no result changes).
 
-    tensorboard: bool = False  # event files in <run_dir>/tensorboard (needs tensorboardX)
-    wandb: bool = False  # a Weights & Biases run (needs wandb)
+    Attributes:
+      tensorboard: write TensorBoard event files to ``<run_dir>/tensorboard`` (needs
+        tensorboardX).
+      wandb: mirror the run to Weights & Biases (needs wandb and a login, or offline mode).
+      wandb_project: the W&B project.
+      wandb_entity: the W&B entity; null: the logged-in user's default.
+      wandb_mode: ``offline`` keeps the run local (``wandb sync`` later).
+    """
+
+    tensorboard: bool = False
+    wandb: bool = False
     wandb_project: str = "fedjax-rcl"
-    wandb_entity: str | None = None  # null: the logged-in user's default
-    wandb_mode: str = "online"  # online | offline (sync later with `wandb sync`) | disabled
+    wandb_entity: str | None = None
+    wandb_mode: str = "online"
 
     def check(self, ctx) -> list[str]:
         del ctx
@@ -95,8 +106,6 @@ class _WandB:
         self._save_state()
 
     def _save_state(self) -> None:
-        from fedjax_rcl.rundir import atomic_write_text
-
         atomic_write_text(self._state_path, json.dumps(self._state))
 
     def log(self, record: dict) -> None:

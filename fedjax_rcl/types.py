@@ -1,4 +1,4 @@
-"""Names for the roles pytrees play (STYLE #5)."""
+"""Names for the roles pytrees play, so that signatures say what a tree is."""
 
 from __future__ import annotations
 

@@ -1,11 +1,11 @@
-"""Brute-force NumPy float64 references for SPEC §5 (losses) and §7 (Twin Normalization).
+"""Brute-force NumPy float64 references for the losses and Twin Normalization (docs/guide.md).
 
 Written as plainly as possible, one explicit Python loop per anchor, so that each line can be
-read against the SPEC formula it implements. Nothing here is fast and nothing here shares code
-with ``fedjax_rcl``: these functions are the independent side of the comparison in
+read against the formula it implements (docs/guide.md). Nothing here is fast and nothing here
+shares code with ``fedjax_rcl``: these functions are the independent side of the comparison in
 ``tests/test_losses.py`` and ``tests/test_twin_norm.py``.
 
-Conventions (SPEC §5): features ``[B, ...]``; a 4-D input is NHWC ``[B, H, W, C]`` and is pooled
+Conventions: features ``[B, ...]``; a 4-D input is NHWC ``[B, H, W, C]`` and is pooled
 to ``[B, C]`` by the mean over H and W (the reference's ``F.adaptive_avg_pool2d(x, 1)`` on NCHW);
 rows are L2-normalised as ``x / max(||x||, 1e-12)`` (the reference's ``F.normalize``); ``s_ij`` is
 the dot product of normalised rows i and j (so ``s_ii`` is 1 except for zero rows, where it is 0).
@@ -101,11 +101,11 @@ def _check_mining(mining: str) -> None:
 
 
 # ----------------------------------------------------------------------------------------------
-# SPEC §5 losses.
+# The losses.
 
 
 def supcon_loss(features, labels, *, temperature: float, mining: str = "hard") -> float:
-    """Supervised contrastive loss, SPEC §5 ``supcon_loss``.
+    """Supervised contrastive loss, ``supcon_loss``.
 
     hard: ``l_i = -log(e^{p_i/t} / (e^{p_i/t} + sum_{top-2 other-class k} e^{s_ik/t}))`` with
     ``p_i = min_{j: y_j = y_i} s_ij`` (j = i included); ``l_i = 0`` without other-class samples;
@@ -146,7 +146,7 @@ def supcon_loss(features, labels, *, temperature: float, mining: str = "hard") -
 def rcl_penalty(
     features, labels, *, temperature: float, threshold: float, mining: str = "hard"
 ) -> float:
-    """The relaxation penalty of SPEC §5 ``rcl_loss`` (without the factor beta).
+    """The relaxation penalty of ``rcl_loss`` (without the factor beta).
 
     hard: ``m_i = min_{j != i, y_j = y_i} s_ij``; ``q_i = m_i`` if i has a classmate and
     ``m_i >= threshold``, else ``q_i = -1``; ``pen_i = softplus((q_i - s_ii)/t)``; mean over all B.
@@ -190,14 +190,14 @@ def rcl_loss(
     beta: float = 1.0,
     mining: str = "hard",
 ) -> float:
-    """``supcon_loss + beta * penalty`` (SPEC §5 ``rcl_loss``)."""
+    """``supcon_loss + beta * penalty`` (``rcl_loss``)."""
     scl = supcon_loss(features, labels, temperature=temperature, mining=mining)
     pen = rcl_penalty(features, labels, temperature=temperature, threshold=threshold, mining=mining)
     return scl + beta * pen
 
 
 def multilevel_rcl_loss(features_per_level, labels, **kw) -> float:
-    """Mean over levels of :func:`rcl_loss` (SPEC §5 ``multilevel_rcl_loss``)."""
+    """Mean over levels of :func:`rcl_loss` (``multilevel_rcl_loss``)."""
     levels = list(features_per_level)
     if not levels:
         raise ValueError("features_per_level is empty")
@@ -239,7 +239,7 @@ def nt_xent_loss(z1, z2, *, temperature: float) -> float:
 
 
 # ----------------------------------------------------------------------------------------------
-# SPEC §7 Twin Normalization.
+# Twin Normalization.
 
 
 def twin_norm(x, *, group_size: int, eps: float = 1e-5) -> np.ndarray:

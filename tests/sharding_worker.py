@@ -40,8 +40,7 @@ def main():
                      balanced=False, local_epochs=1, batch_size=16, devices=d,
                      clients_in_parallel=args.clients_in_parallel, eval_every=args.rounds)
         exp = build(cfg, ds)
-        state, metrics = exp.run_rounds(exp.state, exp.data, np.int32(args.rounds))
-        metrics = to_host(metrics)
+        state, metrics = exp.compile_rounds()(exp.state, args.rounds)
         ev = to_host(exp.evaluate(state.params, state.model_state, exp.test))
         leaves = [np.asarray(x, np.float64) for x in to_host(jax.tree.leaves(state.params))]
         table = to_host(jax.tree.leaves(state.client_states))

@@ -262,7 +262,7 @@ def test_checkpoints_from_before_the_registry_still_resume_identically(reference
     runs written before 2026-11-24 hold them, resumes to the uninterrupted run's result."""
     from fedjax_rcl.checkpoint import Checkpointer
     from fedjax_rcl.config import legacy_config_digest
-    from fedjax_rcl.training import _ServerStateBeforeMessages
+    from fedjax_rcl.training import ServerStateBeforeMessages
 
     # Round 4 of the reference run, rewritten as the older code saved it.
     partial = tmp_path / "partial"
@@ -270,7 +270,7 @@ def test_checkpoints_from_before_the_registry_still_resume_identically(reference
           progress=False, log=lambda s: None)
     _, at4 = load_run(partial)
     s = at4.state
-    old = _ServerStateBeforeMessages(s.params, s.model_state, s.opt_state, s.client_states,
+    old = ServerStateBeforeMessages(s.params, s.model_state, s.opt_state, s.client_states,
                                      s.round, s.key)
     cfg = load_config(str(partial / "config.yaml"))
     shutil.rmtree(partial / "checkpoints")

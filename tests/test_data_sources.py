@@ -19,7 +19,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from fedjax_rcl.data import imagefolder, normalization, sources
+from fedjax_rcl.data import files as image_files
+from fedjax_rcl.data import normalization, sources
 from fedjax_rcl.data.sources import (
     DataError,
     channel_stats,
@@ -181,7 +182,7 @@ def test_imagefolder_second_load_decodes_nothing(tmp_path, monkeypatch):
     cache = tmp_path / "cache"
     first = {k: load_dataset(f"imagefolder:{r}", cache_dir=cache) for k, r in roots.items()}
     assert len(list(cache.glob("imagefolder-*.npz"))) == 3
-    monkeypatch.setattr(imagefolder, "_decode", _no_decode)
+    monkeypatch.setattr(image_files, "decode_image", _no_decode)
     for key, root in roots.items():
         again = load_dataset(f"imagefolder:{root}", cache_dir=cache)
         np.testing.assert_array_equal(again.train_images, first[key].train_images)
@@ -202,7 +203,7 @@ def test_imagefolder_cache_invalidated_by_changed_files(tmp_path, monkeypatch):
     _write_zip(roots["zip"], _encoded(_tree(seed=1)))
     st = roots["zip"].stat()
     os.utime(roots["zip"], ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
-    monkeypatch.setattr(imagefolder, "_decode", _no_decode)
+    monkeypatch.setattr(image_files, "decode_image", _no_decode)
     for key in ("dir", "zip"):
         with pytest.raises(AssertionError, match="decoded"):
             load_dataset(f"imagefolder:{roots[key]}", cache_dir=cache)
@@ -297,7 +298,7 @@ def _layout_error(tmp_path, files: dict[str, bytes], match: str, monkeypatch) ->
     for kind, root in (("dir", _write_dir(tmp_path / "d", files)),
                        ("zip", _write_zip(tmp_path / "z.zip", files))):
         with monkeypatch.context() as m:
-            m.setattr(imagefolder, "_decode", _no_decode)
+            m.setattr(image_files, "decode_image", _no_decode)
             with pytest.raises(DataError, match=match) as info:
                 check_dataset_spec(f"imagefolder:{root}")
             assert str(root) in str(info.value), kind
@@ -384,12 +385,12 @@ def test_decompression_bomb_guards(tmp_path, monkeypatch):
     files = _encoded(_tree())
     roots = _layouts(tmp_path, files)
     biggest = max(len(v) for v in files.values())
-    monkeypatch.setattr(imagefolder, "MAX_MEMBER_BYTES", biggest - 1)
+    monkeypatch.setattr(image_files, "MAX_MEMBER_BYTES", biggest - 1)
     _error(roots["zip"], r"unpacks to \d+ bytes .*refusing to decompress",
            cache_dir=tmp_path / "c1")
     _error(roots["dir"], r"exceeds \d+ bytes", cache_dir=tmp_path / "c2")
-    monkeypatch.setattr(imagefolder, "MAX_MEMBER_BYTES", 1 << 20)
-    monkeypatch.setattr(imagefolder, "MAX_PIXELS", 29)  # images are 6x5 = 30 pixels
+    monkeypatch.setattr(image_files, "MAX_MEMBER_BYTES", 1 << 20)
+    monkeypatch.setattr(image_files, "MAX_PIXELS", 29)  # images are 6x5 = 30 pixels
     _error(roots["zip-top"], r"'mydata/train/ant/0\.png'.* is 5x6 pixels \(limit 29\)",
            cache_dir=tmp_path / "c3")
 
@@ -548,12 +549,12 @@ def test_shared_cifar10_zip(tmp_path, monkeypatch):
                               "horse", "ship", "truck")
     np.testing.assert_array_equal(np.bincount(ds.train_labels), [5000] * 10)
     np.testing.assert_array_equal(np.bincount(ds.test_labels), [1000] * 10)
-    # SPEC §2: the named dataset's constants, not the zip's own statistics (std ~0.247).
+    # The named dataset's constants, not the zip's own statistics (std ~0.247).
     assert ds.mean == (0.4914, 0.4822, 0.4465) and ds.std == (0.2023, 0.1994, 0.2010)
     data_mean, data_std = channel_stats(ds.train_images)
     np.testing.assert_allclose(data_mean, ds.mean, atol=5e-3)  # JPEG vs binary
     assert min(data_std) > 0.24  # why the constants matter: the data's own std is larger
-    monkeypatch.setattr(imagefolder, "_decode", _no_decode)
+    monkeypatch.setattr(image_files, "decode_image", _no_decode)
     start = time.perf_counter()
     cached = load_dataset(spec, cache_dir=tmp_path)
     print(f"shared zip: first load {first:.1f} s, cached {time.perf_counter() - start:.2f} s")
@@ -562,7 +563,7 @@ def test_shared_cifar10_zip(tmp_path, monkeypatch):
 
 
 # ---------------------------------------------------------------------------------------------
-# normalisation: the SPEC's constants for named datasets, data statistics otherwise
+# normalisation: the named constants for named datasets, data statistics otherwise
 
 
 def _folder_of(tmp_path, classes, size, per_class=2, seed=0):

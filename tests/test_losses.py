@@ -47,7 +47,7 @@ def impl():
         pytest.fail(f"cannot import fedjax_rcl.losses: {e!r}", pytrace=False)
     missing = [name for name in LOSS_NAMES if not hasattr(losses, name)]
     if missing:
-        pytest.fail(f"fedjax_rcl.losses lacks {missing} (SPEC §5 contract)", pytrace=False)
+        pytest.fail(f"fedjax_rcl.losses lacks {missing} (public API)", pytrace=False)
     return losses
 
 

@@ -144,17 +144,17 @@ def test_batch_statistics_representations_are_each_clients_own_batches():
     of batch_size pairs by their own statistics, never mixing clients; the default (running
     statistics) gives each sample's representation on its own."""
     from fedjax_rcl.experiment import build
-    from fedjax_rcl.mfcl.run import _encoder, _represent_all, mfcl_dataset
+    from fedjax_rcl.mfcl.run import client_encoder, mfcl_dataset, represent_all
 
     cfg = load_config(None, [*TINY, "norm=batch", "mfcl.bn_statistics=batch"],
                       defaults=MFCL_DEFAULTS)
     exp = build(cfg, mfcl_dataset(cfg))
-    encode = _encoder(exp)(exp.state.params, exp.state.model_state)
+    encode = client_encoder(exp)(exp.state.params, exp.state.model_state)
     kept = np.arange(cfg.num_clients)
     pool = phase2.sample_pool(exp.parts, kept, rho=2)
     sizes = [len(exp.parts[k]) for k in kept]
     assert min(sizes) > 0 and max(sizes) > cfg.batch_size  # several batches per client
-    reps = np.asarray(_represent_all(exp, encode, pool, sizes * 2))
+    reps = np.asarray(represent_all(exp, encode, pool, sizes * 2))
     p = len(pool)
     assert reps.shape[0] == 2 * p
     # The expected batches, from the clients' parts: each client's draws, batch_size at a time.
@@ -173,8 +173,8 @@ def test_batch_statistics_representations_are_each_clients_own_batches():
     # Running statistics: another result, in which a sample does not depend on its batch.
     cfg_running = load_config(None, [*TINY, "norm=batch"], defaults=MFCL_DEFAULTS)
     exp.cfg = cfg_running
-    running = _encoder(exp)(exp.state.params, exp.state.model_state)
-    alone = np.asarray(_represent_all(exp, running, pool, sizes * 2))
+    running = client_encoder(exp)(exp.state.params, exp.state.model_state)
+    alone = np.asarray(represent_all(exp, running, pool, sizes * 2))
     assert np.abs(alone - reps).max() > 1e-2
     one = np.asarray(phase2.make_representations(running, paired=True, blur=False)(
         key, images[pool[:1, 0]], jnp.asarray(pool[:1])))

@@ -17,7 +17,7 @@ def _init(name, classes=10, shape=(2, 32, 32, 3)):
 
 def test_resnet18_matches_reference_structure():
     model, params, x = _init("resnet18")
-    # The reference ResNet18_base has 11,173,962 parameters for 10 classes (SPEC §4).
+    # The reference ResNet18_base has 11,173,962 parameters for 10 classes.
     assert sum(p.size for p in jax.tree.leaves(params)) == 11_173_962
     out = model.apply({"params": params}, x)
     assert out.logits.shape == (2, 10)

@@ -1,5 +1,5 @@
-"""A user's algorithm, registered from their own module exactly as the README shows, trains,
-resumes (in a fresh process) and evaluates from the command line."""
+"""A user's algorithm, model and server optimizer, registered from their own modules exactly as
+docs/plugins.md shows, train, resume (in a fresh process) and evaluate from the command line."""
 
 import dataclasses
 import json
@@ -13,17 +13,20 @@ import pytest
 from fedjax_rcl import registry
 from fedjax_rcl.cli import main
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+PLUGINS_DOC = Path(__file__).resolve().parents[1] / "docs" / "plugins.md"
+
+
+def _example(heading: str) -> str:
+    section = PLUGINS_DOC.read_text().split(f"## {heading}\n", 1)[1]
+    return re.search(r"```python\n(.*?)```", section, re.S).group(1)
 
 
 def _readme_example() -> str:
-    section = README.read_text().split("## Your own algorithm", 1)[1]
-    return re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    return _example("Your own algorithm")
 
 
 def _readme_model_example() -> str:
-    section = README.read_text().split("### Your own model", 1)[1]
-    return re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    return _example("Your own model")
 
 
 def test_readme_example_is_short():
@@ -67,7 +70,7 @@ def test_custom_algorithm_trains_resumes_and_evaluates(user_dir, capsys):
 @pytest.mark.slow
 def test_readme_model_with_dropout_trains_resumes_and_evaluates(tmp_path, monkeypatch,
                                                                 capsys):
-    """The README's own model (an MLP with dropout, whose key the engine supplies) under the
+    """The documented model (an MLP with dropout, whose key the engine supplies) under the
     default algorithm (FedRCL on its one level), from the command line."""
     assert len(_readme_model_example().strip().splitlines()) < 40
     (tmp_path / "my_models.py").write_text(_readme_model_example())
@@ -87,6 +90,35 @@ def test_readme_model_with_dropout_trains_resumes_and_evaluates(tmp_path, monkey
     capsys.readouterr()
     assert main(["eval", str(run)]) == 0
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["round"] == 4
+
+
+@pytest.mark.slow
+def test_docs_server_optimizer_trains_resumes_and_evaluates(tmp_path, monkeypatch, capsys):
+    """The documented server optimizer (clipped FedAvg) from the command line: its section is
+    checked, it trains, resumes in a fresh process and evaluates."""
+    example = _example("Your own server optimizer")
+    assert len(example.strip().splitlines()) < 40
+    (tmp_path / "my_server.py").write_text(example)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    run = tmp_path / "run"
+    assert main(["train", "plugins=[my_server]", "server.optimizer=clipped",
+                 "server.clipped.max_norm=0", f"run_dir={run}", *ARGS]) == 2
+    assert "server.clipped.max_norm=0.0: must be > 0" in capsys.readouterr().err
+    status = main(["train", "plugins=[my_server]", "server.optimizer=clipped",
+                   "server.clipped.max_norm=0.5", "algorithm=fedavg", "rounds=2",
+                   f"run_dir={run}", *ARGS])
+    assert status == 0, capsys.readouterr().err
+    assert "max_norm: 0.5" in (run / "config.yaml").read_text()
+    proc = subprocess.run([sys.executable, "-m", "fedjax_rcl", "resume", str(run), "rounds=3",
+                           "--no-progress"], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in rows] == [1, 2, 3]
+    capsys.readouterr()
+    assert main(["eval", str(run)]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["round"] == 3
 
 
 def test_custom_section_is_checked_and_bad_plugins_are_config_errors(user_dir, capsys):

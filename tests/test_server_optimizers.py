@@ -1,4 +1,4 @@
-"""Server optimizers against NumPy loops of SPEC §6's equations, and FedACG's broadcast through
+"""Server optimizers against NumPy loops of their equations, and FedACG's broadcast through
 the compiled round."""
 
 import dataclasses

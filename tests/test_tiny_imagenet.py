@@ -1,6 +1,6 @@
 """Tiny-ImageNet from the official archive layout (``tiny-imagenet-200``), as a folder and as a
 zip, generated here in that exact layout: labels, the labelled validation split as test, the
-SPEC's constants, grayscale JPEGs, the errors a broken archive gets, and a run from the command
+the named constants, grayscale JPEGs, the errors a broken archive gets, and a run from the command
 line."""
 
 from __future__ import annotations

@@ -10,9 +10,6 @@ PyTorch is installed only for the benchmark; without it this module is skipped.
 """
 
 import functools
-import importlib.util
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -23,9 +20,9 @@ torch = pytest.importorskip(
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+import torch_reference as tr  # noqa: E402  (tools/ is on pytest's pythonpath: pyproject.toml)
 
-from fedjax_rcl.algorithms import LocalContext  # noqa: E402
-from fedjax_rcl.algorithms.base import Batch  # noqa: E402
+from fedjax_rcl.algorithms import Batch, LocalContext  # noqa: E402
 from fedjax_rcl.algorithms.fedavg import cross_entropy  # noqa: E402
 from fedjax_rcl.algorithms.fedrcl import fedrcl  # noqa: E402
 from fedjax_rcl.algorithms.moon import moon  # noqa: E402
@@ -39,17 +36,6 @@ from fedjax_rcl.engine.client import (  # noqa: E402
 from fedjax_rcl.losses import moon_loss, rcl_loss_terms  # noqa: E402
 from fedjax_rcl.models import get_model, model_fns  # noqa: E402
 
-
-def _load_reference():
-    path = Path(__file__).resolve().parents[1] / "tools" / "torch_reference.py"
-    spec = importlib.util.spec_from_file_location("torch_reference", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up by name
-    spec.loader.exec_module(module)
-    return module
-
-
-tr = _load_reference()
 MEAN, STD = tr.CIFAR10_MEAN, tr.CIFAR10_STD
 
 

@@ -1,4 +1,4 @@
-"""``fedjax_rcl.nn.twin_norm`` (SPEC §7) against the float64 reference of ``tests/loss_reference``.
+"""``fedjax_rcl.nn.twin_norm`` against the float64 reference of ``tests/loss_reference``.
 
 Rows i and i+K of a ``[2K, H, W, C]`` batch are the two views of sample i; each group of
 ``group_size`` consecutive channels is normalised with the mean and population variance taken
@@ -30,7 +30,7 @@ def impl():
     except Exception as e:  # any import failure is reported the same way
         pytest.fail(f"cannot import fedjax_rcl.nn: {e!r}", pytrace=False)
     if not hasattr(nn, "twin_norm"):
-        pytest.fail("fedjax_rcl.nn lacks twin_norm (SPEC §7 contract)", pytrace=False)
+        pytest.fail("fedjax_rcl.nn lacks twin_norm (public API)", pytrace=False)
     return nn
 
 

@@ -52,7 +52,6 @@ import os
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import argparse  # noqa: E402
-import importlib.util  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
 import platform  # noqa: E402
@@ -64,23 +63,11 @@ from pathlib import Path  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+import torch_reference as tr  # noqa: E402  (a sibling: tools/ is the script's folder)
 from torch.overrides import TorchFunctionMode  # noqa: E402
 from torch.utils._pytree import tree_map  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-
-def _load_reference():
-    spec = importlib.util.spec_from_file_location("torch_reference",
-                                                  ROOT / "tools" / "torch_reference.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up by name
-    spec.loader.exec_module(module)
-    return module
-
-
-tr = _load_reference()
 
 FP16_MAX = 65504.0
 INIT_SCALE = 2.0**16
@@ -338,7 +325,8 @@ ARMS = {"fedavg_fp32": ("fedavg", False), "fedavg_amp": ("fedavg", True),
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--dataset", default="imagefolder:/work/shared/data/cifar10-jpeg.zip")
+    p.add_argument("--dataset", default="imagefolder:" + os.environ.get(
+        "CIFAR10_JPEG_ZIP", "data/cifar10-jpeg.zip"))
     p.add_argument("--out", default=str(ROOT / "experiments/results/amp_probe.json"))
     p.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
     p.add_argument("--rounds", type=int, default=5)

@@ -26,21 +26,19 @@ ROOT = Path(__file__).resolve().parents[1]
 def worker(model: str, clients: int, where: str) -> dict:
     import jax
     import numpy as np
-
-    sys.path.insert(0, str(ROOT / "tools"))
-    from bench_round import _fake_cifar
+    from bench_round import fake_cifar
 
     from fedjax_rcl.config import Config
     from fedjax_rcl.experiment import build
-    from fedjax_rcl.training import _compile
+    from fedjax_rcl.training import compile_program
 
     cfg = Config(dataset="fake", model=model, algorithm="moon", num_clients=clients,
                  participation=1 / clients, partition="iid", local_epochs=1, batch_size=50,
                  client_states=where)
-    exp = build(cfg, _fake_cifar(100 * clients))
-    table = exp.host_table if where == "host" else exp.state.client_states
+    exp = build(cfg, fake_cifar(100 * clients))
+    table = exp.table.rows if where == "host" else exp.state.client_states
     table_gb = sum(np.asarray(x).nbytes for x in jax.tree.leaves(table)) / 2**30
-    advance, _, _ = _compile(exp, lambda s: None)
+    advance = compile_program(exp).advance
     t = time.perf_counter()
     state, _ = advance(exp.state, 1)
     jax.block_until_ready(state)

@@ -21,7 +21,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tools"))
 
 CANDIDATES = (("cnn", None), ("resnet10", 16), ("resnet18", 16), ("resnet10", 32),
               ("resnet18", 32), ("resnet18", 64))
@@ -44,14 +43,12 @@ def main() -> None:
     args = ap.parse_args()
 
     import jax
-    import jax.numpy as jnp
-    from bench_round import _fake_cifar, convolutions, machine
+    from bench_round import convolutions, fake_cifar, machine
 
     from fedjax_rcl.config import Config
     from fedjax_rcl.experiment import build
 
-    data = _fake_cifar(100 * 500)
-    one = jnp.int32(1)
+    data = fake_cifar(100 * 500)
     built = {}
     for spec in args.models:
         name, _, width = spec.partition(":")
@@ -61,9 +58,9 @@ def main() -> None:
                          partition="iid", local_epochs=1, batch_size=50)
             exp = build(cfg, data)
             t = time.perf_counter()
-            step = exp.run_rounds.lower(exp.state, exp.data, one).compile()
+            step = exp.compile_rounds(1)
             compile_s = time.perf_counter() - t
-            state, _ = step(exp.state, exp.data, one)  # warm-up
+            state, _ = step(exp.state, 1)  # warm-up
             jax.block_until_ready(state)
             jax.block_until_ready(exp.evaluate(state.params, state.model_state, exp.test))
             built[(spec, algorithm)] = dict(exp=exp, step=step, state=state, train=[], eval=[],
@@ -73,7 +70,7 @@ def main() -> None:
     for _ in range(args.passes):
         for key, b in built.items():
             t = time.perf_counter()
-            b["state"], _ = b["step"](b["state"], b["exp"].data, one)
+            b["state"], _ = b["step"](b["state"], 1)
             jax.block_until_ready(b["state"])
             b["train"].append(time.perf_counter() - t)
             if key[1] == args.algorithms[0]:

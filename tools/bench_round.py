@@ -50,7 +50,7 @@ def _setup(model: str, paper_local_work: bool = False):
     return (500, 5) if model == "cnn" or paper_local_work else (100, 1)
 
 
-def _fake_cifar(n: int, test_n: int = 2000):
+def fake_cifar(n: int, test_n: int = 2000):
     """Synthetic CIFAR-shaped data (speed only): ``n`` training images, the first ``test_n``
     of them again as the test set."""
     import numpy as np
@@ -91,8 +91,7 @@ def forward_flops_per_image(model: str, algorithm: str) -> float:
     number for every mode so GFLOP/s compare across rows. (Tables before 2026-11-23 counted the
     JAX rows with XLA's cost analysis, which skips multiply-adds on padding: 970 vs 1111 MFLOP
     for ResNet-18.)"""
-    sys.path.insert(0, str(ROOT / "tools"))
-    import torch_reference  # its FLOP counts need no PyTorch
+    import torch_reference  # its FLOP counts need no PyTorch (tools/ is the script's folder)
 
     return float(torch_reference.forward_flops(
         model, projection_dim=256 if algorithm == "moon" else None))
@@ -115,10 +114,9 @@ def worker(spec: dict) -> dict:
     out = {**spec, "steps": steps, "batch": batch,
            "fwd_flops_per_image": forward_flops_per_image(model, algorithm)}
     if mode == "torch":
-        sys.path.insert(0, str(ROOT / "tools"))
         import torch_reference
 
-        data = _fake_cifar(num_clients * per_client)
+        data = fake_cifar(num_clients * per_client)
         r = torch_reference.round_seconds(model, algorithm, clients=clients, steps=steps,
                                           batch=batch, data=data, epochs=epochs,
                                           repeats=spec.get("repeats", 2))
@@ -128,19 +126,18 @@ def worker(spec: dict) -> dict:
                      participation=clients / num_clients, partition="iid", local_epochs=epochs,
                      batch_size=batch, eval_every=1,
                      clients_in_parallel=1 if mode == "one-at-a-time" else spec.get("chunk", 0))
-        exp = build(cfg, _fake_cifar(num_clients * per_client))
+        exp = build(cfg, fake_cifar(num_clients * per_client))
         if mode in COMPILED_MODES:
             t0 = time.perf_counter()
-            one = jnp.int32(1)
-            step = exp.run_rounds.lower(exp.state, exp.data, one).compile()
+            step = exp.compile_rounds(1)
             out["compile_s"] = time.perf_counter() - t0
             state = exp.state
-            state, _ = step(state, exp.data, one)  # warm-up
+            state, _ = step(state, 1)  # warm-up
             jax.block_until_ready(state)
             times = []
             for _ in range(spec.get("repeats", 2)):
                 t = time.perf_counter()
-                state, _ = step(state, exp.data, one)
+                state, _ = step(state, 1)
                 jax.block_until_ready(state)
                 times.append(time.perf_counter() - t)
             out["round_s"] = statistics.median(times)

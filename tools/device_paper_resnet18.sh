@@ -8,13 +8,13 @@
 #
 #   # here, once: the zip re-packed as a solid tar.xz (18 MB; the zip's 60,000 JPEG headers
 #   # compress away), and the one package the device image lacks
-#   unzip -q ../shared/data/cifar10-jpeg.zip -d /tmp/c10
+#   unzip -q "${CIFAR10_JPEG_ZIP:-data/cifar10-jpeg.zip}" -d /tmp/c10
 #   tar cf - -C /tmp/c10 --sort=name train test | xz -9e > .devdata/cifar10.tar.xz
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 -d .whl omegaconf==2.4.0
 #   # there (carry .devdata and .whl):
 #   SECONDS_PER_RUN=400 bash tools/device_paper_resnet18.sh
 #
-# The decoded images are byte-identical to the zip's (checked: every array equal, and the SPEC's
+# The decoded images are byte-identical to the zip's (checked: every array equal, and the named
 # CIFAR-10 mean/std recognised from the folder as from the zip). Results: $OUT/<run>.jsonl,
 # $OUT/<run>.log; experiments/results/paper_resnet18_gpu.md records what came back.
 set -u

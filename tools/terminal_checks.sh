@@ -3,7 +3,8 @@
 # compilation, train into an interrupted run, two trains in the same second, resume while the
 # train still runs, bad inputs, the plot's EMA label. Each prints what happened and the exit
 # status. Offline (the embedded digits); about 3 minutes on 2 cores. Needs `fedjax-rcl` on
-# PATH and, for the truncated-zip check, ../shared/data/cifar10-jpeg.zip (skipped without it).
+# PATH and, for the truncated-zip check, a CIFAR-10 JPEG zip ($CIFAR10_JPEG_ZIP, default
+# data/cifar10-jpeg.zip; skipped without it).
 #   bash tools/terminal_checks.sh > experiments/results/terminal_checks.txt 2>&1
 set -u
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -106,7 +107,7 @@ bad() {
 }
 bad fedjax-rcl partition --plot missing/dir/plot.png
 bad fedjax-rcl train dataset=imagefolder: run_dir=b1
-ZIP="$ROOT/../shared/data/cifar10-jpeg.zip"
+ZIP="${CIFAR10_JPEG_ZIP:-$ROOT/data/cifar10-jpeg.zip}"
 if [ -f "$ZIP" ]; then
   head -c 300000 "$ZIP" > truncated.zip
   bad fedjax-rcl train dataset=imagefolder:truncated.zip run_dir=b2

@@ -26,7 +26,7 @@ Only what counts is built: FedAvg and MOON skip the feature pooling they never r
 no frozen global-model forward (the authors' reference does one and never uses it), and the
 per-level contrastive losses are batched into one ``[L, B, B]`` computation to spare eager
 dispatch. Models run in ``channels_last`` memory format: on a 2-core CPU it is PyTorch's fastest
-layout for the ResNet (``shared/NOTES.md``), and an NHWC batch permuted to NCHW *is*
+layout for the ResNet (BENCHMARKS.md), and an NHWC batch permuted to NCHW *is*
 channels_last, so the augmentation output needs no copy.
 
 Usage::
@@ -71,7 +71,7 @@ except ImportError:  # pragma: no cover - exercised only where torch is absent
 
 MODELS = ("cnn", "resnet18")
 ALGORITHMS = ("fedavg", "fedrcl", "moon")
-# CIFAR-10's constants (SPEC §2): the default when ``data`` names none.
+# CIFAR-10's constants: the default when ``data`` names none.
 CIFAR10_MEAN = (0.4914, 0.4822, 0.4465)
 CIFAR10_STD = (0.2023, 0.1994, 0.2010)
 # Our losses' sentinels (``fedjax_rcl/losses/contrastive.py``): far outside [-1, 1], finite.
@@ -296,7 +296,7 @@ def build_model(model_name: str, *, num_classes: int = 10, in_channels: int = 3,
     ``stage_sizes`` and ``width`` shape the ResNet (see :class:`ResNet18`; ``(1, 1, 1, 1)`` and
     16 are our ``resnet10`` at ``width: 16``); the CNN ignores them.
 
-    channels_last is PyTorch's fastest CPU layout for the ResNet (``shared/NOTES.md``) and no
+    channels_last is PyTorch's fastest CPU layout for the ResNet (BENCHMARKS.md) and no
     slower for the CNN (measured: 6.7 vs 7.0 ms per FedRCL forward+backward, one thread), and our
     NHWC batches permuted to NCHW are channels_last already, so inputs need no copy.
     """
@@ -597,7 +597,7 @@ class TorchFederation:
         if moon:
             self.prev_model = build_model(model_name, **kw).eval().requires_grad_(False)
             self.prev_params = list(self.prev_model.parameters())
-            # A client that never trained uses the initial global model (SPEC §5).
+            # A client that never trained uses the initial global model.
             self.initial_params = [p.detach().clone() for p in self.global_params]
 
     def _copy(self, dst: list, src: list) -> None:
@@ -605,7 +605,7 @@ class TorchFederation:
             torch._foreach_copy_(dst, src)
 
     def client_generator(self, round_index: int, client: int):
-        """Shuffles and augmentations depend only on (seed, round, client), as ours (SPEC §3)."""
+        """Shuffles and augmentations depend only on (seed, round, client), as ours."""
         seed = int(np.random.SeedSequence([self.seed, round_index, client]).generate_state(1)[0])
         return torch.Generator().manual_seed(seed)
 

@@ -10,12 +10,12 @@ test). The engine never names an algorithm.
 from __future__ import annotations
 
 from fedjax_rcl import registry
-from fedjax_rcl.algorithms.base import Batch, ClientAlgorithm, LocalContext, Objective
 from fedjax_rcl.algorithms.fedavg import cross_entropy, fedavg
 from fedjax_rcl.algorithms.fedcl import fedcl
 from fedjax_rcl.algorithms.fedprox import fedprox
 from fedjax_rcl.algorithms.fedrcl import fedrcl, fedscl
 from fedjax_rcl.algorithms.moon import moon
+from fedjax_rcl.engine.algorithm import Batch, ClientAlgorithm, LocalContext, Objective
 
 # The other modules of this package (each registers itself): a new algorithm is a new module.
 registry.import_modules(__name__)

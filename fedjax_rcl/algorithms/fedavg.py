@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import optax
 
 from fedjax_rcl import registry
-from fedjax_rcl.algorithms.base import ClientAlgorithm
+from fedjax_rcl.engine.algorithm import ClientAlgorithm
 
 
 def cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
@@ -35,7 +35,7 @@ def fedavg() -> ClientAlgorithm:
         ce = cross_entropy(out.logits, batch.labels)
         return ce, {"ce": ce}
 
-    return ClientAlgorithm(name="fedavg", objective=objective)
+    return ClientAlgorithm(objective)
 
 
 registry.register_algorithm("fedavg", lambda settings, model: fedavg())

@@ -17,10 +17,11 @@ from collections.abc import Sequence
 import jax.numpy as jnp
 
 from fedjax_rcl import registry
-from fedjax_rcl.algorithms.base import ClientAlgorithm
 from fedjax_rcl.algorithms.fedavg import cross_entropy
 from fedjax_rcl.algorithms.fedrcl import select_levels
+from fedjax_rcl.engine.algorithm import ClientAlgorithm
 from fedjax_rcl.losses import nt_xent_loss
+from fedjax_rcl.validation import check_levels, finite
 
 
 def fedcl(*, temperature: float = 0.05, levels: Sequence[int] | None = None) -> ClientAlgorithm:
@@ -37,19 +38,22 @@ def fedcl(*, temperature: float = 0.05, levels: Sequence[int] | None = None) -> 
         ]))
         return ce + cl, {"ce": ce, "nt_xent": cl}
 
-    return ClientAlgorithm(name="fedcl", objective=objective, num_views=2)
+    return ClientAlgorithm(objective)
 
 
 @dataclasses.dataclass
 class FedCLConfig:
-    """``algorithm=fedcl``: InfoNCE between two views of each sample (ablation)."""
+    """``algorithm=fedcl``: InfoNCE between two views of each sample (FedRCL's ablation).
+
+    Attributes:
+      temperature: tau of the InfoNCE term.
+      levels: the feature levels it applies to; null: every level, ``[-1]``: the last.
+    """
 
     temperature: float = 0.05
     levels: list[int] | None = None
 
     def check(self, ctx) -> list[str]:
-        from fedjax_rcl.config import check_levels, finite
-
         p = []
         if not (finite(self.temperature) and self.temperature > 0):
             p.append(f"temperature={self.temperature!r}: must be > 0")

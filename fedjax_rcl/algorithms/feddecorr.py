@@ -17,9 +17,10 @@ from __future__ import annotations
 import dataclasses
 
 from fedjax_rcl import registry
-from fedjax_rcl.algorithms.base import ClientAlgorithm
 from fedjax_rcl.algorithms.fedavg import cross_entropy
+from fedjax_rcl.engine.algorithm import ClientAlgorithm
 from fedjax_rcl.losses.baselines import decorrelation_loss
+from fedjax_rcl.validation import finite
 
 
 def feddecorr(*, beta: float = 0.01) -> ClientAlgorithm:
@@ -31,18 +32,20 @@ def feddecorr(*, beta: float = 0.01) -> ClientAlgorithm:
         decorr = decorrelation_loss(out.embedding)
         return ce + beta * decorr, {"ce": ce, "decorr": decorr}
 
-    return ClientAlgorithm(name="feddecorr", objective=objective)
+    return ClientAlgorithm(objective)
 
 
 @dataclasses.dataclass
 class FedDecorrConfig:
-    """``algorithm=feddecorr``: regulariser weight (FedRCL's tables: 0.01)."""
+    """``algorithm=feddecorr``.
+
+    Attributes:
+      beta: the weight of the decorrelation regulariser (FedRCL's tables: 0.01).
+    """
 
     beta: float = 0.01
 
     def check(self, ctx) -> list[str]:
-        from fedjax_rcl.config import finite
-
         del ctx
         ok = finite(self.beta) and self.beta >= 0
         return [] if ok else [f"beta={self.beta!r}: must be >= 0"]

@@ -18,8 +18,9 @@ from __future__ import annotations
 import dataclasses
 
 from fedjax_rcl import registry
-from fedjax_rcl.algorithms.base import ClientAlgorithm
+from fedjax_rcl.engine.algorithm import ClientAlgorithm
 from fedjax_rcl.losses.baselines import logit_calibrated_cross_entropy
+from fedjax_rcl.validation import finite
 
 
 def fedlc(*, tau: float = 1.0) -> ClientAlgorithm:
@@ -31,18 +32,20 @@ def fedlc(*, tau: float = 1.0) -> ClientAlgorithm:
                                               tau=tau)
         return loss, {"calibrated_ce": loss}
 
-    return ClientAlgorithm(name="fedlc", objective=objective)
+    return ClientAlgorithm(objective)
 
 
 @dataclasses.dataclass
 class FedLCConfig:
-    """``algorithm=fedlc``: calibration strength (FedRCL's tables: 1)."""
+    """``algorithm=fedlc``.
+
+    Attributes:
+      tau: the strength of the label-count calibration of the logits (FedRCL's tables: 1).
+    """
 
     tau: float = 1.0
 
     def check(self, ctx) -> list[str]:
-        from fedjax_rcl.config import finite
-
         del ctx
         return [] if finite(self.tau) and self.tau >= 0 else [f"tau={self.tau!r}: must be >= 0"]
 

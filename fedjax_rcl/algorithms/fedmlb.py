@@ -24,10 +24,11 @@ from __future__ import annotations
 import dataclasses
 
 from fedjax_rcl import registry
-from fedjax_rcl.algorithms.base import ClientAlgorithm
 from fedjax_rcl.algorithms.fedavg import cross_entropy
+from fedjax_rcl.engine.algorithm import ClientAlgorithm
 from fedjax_rcl.losses.baselines import hybrid_path_losses
 from fedjax_rcl.models.base import ModelFns
+from fedjax_rcl.validation import finite
 
 
 def fedmlb(model: ModelFns, *, lambda1: float = 1.0, lambda2: float = 1.0,
@@ -48,21 +49,24 @@ def fedmlb(model: ModelFns, *, lambda1: float = 1.0, lambda2: float = 1.0,
         loss = ce + lambda1 * ce_h + lambda2 * kl_h
         return loss, {"ce": ce, "hybrid_ce": ce_h, "hybrid_kl": kl_h}
 
-    return ClientAlgorithm(name="fedmlb", objective=objective)
+    return ClientAlgorithm(objective)
 
 
 @dataclasses.dataclass
 class FedMLBConfig:
-    """``algorithm=fedmlb``: weights of the hybrid pathways' cross-entropy (lambda1) and
-    distillation (lambda2), and its temperature (FedRCL's tables: 1, 1, 1)."""
+    """``algorithm=fedmlb`` (FedRCL's tables: 1, 1, 1).
+
+    Attributes:
+      lambda1: the weight of the hybrid pathways' cross-entropy.
+      lambda2: the weight of the hybrid pathways' distillation from the main pathway.
+      tau: the distillation temperature.
+    """
 
     lambda1: float = 1.0
     lambda2: float = 1.0
     tau: float = 1.0
 
     def check(self, ctx) -> list[str]:
-        from fedjax_rcl.config import finite
-
         p = []
         for name in ("lambda1", "lambda2"):
             v = getattr(self, name)

@@ -22,10 +22,11 @@ import dataclasses
 import jax
 
 from fedjax_rcl import registry
-from fedjax_rcl.algorithms.base import ClientAlgorithm
 from fedjax_rcl.algorithms.fedavg import cross_entropy
+from fedjax_rcl.engine.algorithm import ClientAlgorithm
 from fedjax_rcl.losses.baselines import not_true_distillation
 from fedjax_rcl.models.base import ModelFns
+from fedjax_rcl.validation import finite
 
 
 def fedntd(model: ModelFns, *, beta: float = 0.3, tau: float = 1.0) -> ClientAlgorithm:
@@ -40,19 +41,22 @@ def fedntd(model: ModelFns, *, beta: float = 0.3, tau: float = 1.0) -> ClientAlg
                                     batch.labels, tau=tau)
         return ce + beta * ntd, {"ce": ce, "ntd": ntd}
 
-    return ClientAlgorithm(name="fedntd", objective=objective)
+    return ClientAlgorithm(objective)
 
 
 @dataclasses.dataclass
 class FedNTDConfig:
-    """``algorithm=fedntd``: distillation weight and temperature (FedRCL's tables: 0.3, 1)."""
+    """``algorithm=fedntd`` (FedRCL's tables: 0.3, 1).
+
+    Attributes:
+      beta: the weight of the not-true distillation from the global model.
+      tau: its temperature.
+    """
 
     beta: float = 0.3
     tau: float = 1.0
 
     def check(self, ctx) -> list[str]:
-        from fedjax_rcl.config import finite
-
         del ctx
         p = []
         if not (finite(self.beta) and self.beta >= 0):

@@ -26,13 +26,14 @@ from __future__ import annotations
 import dataclasses
 
 from fedjax_rcl import registry
-from fedjax_rcl.algorithms.base import ClientAlgorithm
 from fedjax_rcl.algorithms.fedavg import cross_entropy
+from fedjax_rcl.engine.algorithm import ClientAlgorithm
 from fedjax_rcl.losses.baselines import (
     class_prototypes,
     prototype_contrastive_loss,
     prototypes_from_sums,
 )
+from fedjax_rcl.validation import finite
 
 
 def fedproc(*, mu: float = 1.0, temperature: float = 0.5) -> ClientAlgorithm:
@@ -53,20 +54,23 @@ def fedproc(*, mu: float = 1.0, temperature: float = 0.5) -> ClientAlgorithm:
         sums, counts = summed
         return prototypes_from_sums(sums, counts)
 
-    return ClientAlgorithm(name="fedproc", objective=objective, report=report,
+    return ClientAlgorithm(objective, report=report,
                            server_message=server_message)
 
 
 @dataclasses.dataclass
 class FedProcConfig:
-    """``algorithm=fedproc``: prototype-loss weight and temperature."""
+    """``algorithm=fedproc``.
+
+    Attributes:
+      mu: the weight of the prototype contrastive loss.
+      temperature: its temperature.
+    """
 
     mu: float = 1.0
     temperature: float = 0.5
 
     def check(self, ctx) -> list[str]:
-        from fedjax_rcl.config import finite
-
         del ctx
         p = []
         if not (finite(self.mu) and self.mu >= 0):

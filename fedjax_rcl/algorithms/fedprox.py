@@ -12,18 +12,12 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax
-import jax.numpy as jnp
+from optax import tree_utils as otu
 
 from fedjax_rcl import registry
-from fedjax_rcl.algorithms.base import ClientAlgorithm
 from fedjax_rcl.algorithms.fedavg import cross_entropy
-
-
-def squared_distance(a, b) -> jax.Array:
-    """``sum ||a - b||^2`` over every leaf of two pytrees of the same structure."""
-    leaves = jax.tree.leaves(jax.tree.map(lambda x, y: jnp.sum(jnp.square(x - y)), a, b))
-    return sum(leaves, jnp.zeros(()))
+from fedjax_rcl.engine.algorithm import ClientAlgorithm
+from fedjax_rcl.validation import finite
 
 
 def fedprox(*, mu: float = 0.001) -> ClientAlgorithm:
@@ -33,21 +27,23 @@ def fedprox(*, mu: float = 0.001) -> ClientAlgorithm:
 
     def objective(out, params, batch, ctx):
         ce = cross_entropy(out.logits, batch.labels)
-        prox = squared_distance(params, ctx.global_params)
+        prox = otu.tree_norm(otu.tree_sub(params, ctx.global_params), squared=True)
         return ce + 0.5 * mu * prox, {"ce": ce, "prox": prox}
 
-    return ClientAlgorithm(name="fedprox", objective=objective)
+    return ClientAlgorithm(objective)
 
 
 @dataclasses.dataclass
 class FedProxConfig:
-    """``algorithm=fedprox``: proximal weight (FedRCL's tables: 0.001)."""
+    """``algorithm=fedprox``.
+
+    Attributes:
+      mu: the weight of the proximal term ``mu/2 ||w - w_global||^2`` (FedRCL's tables: 0.001).
+    """
 
     mu: float = 0.001
 
     def check(self, ctx) -> list[str]:
-        from fedjax_rcl.config import finite
-
         return [] if finite(self.mu) and self.mu >= 0 else [f"mu={self.mu!r}: must be >= 0"]
 
 

@@ -22,9 +22,10 @@ from collections.abc import Sequence
 import jax.numpy as jnp
 
 from fedjax_rcl import registry
-from fedjax_rcl.algorithms.base import ClientAlgorithm
 from fedjax_rcl.algorithms.fedavg import cross_entropy
+from fedjax_rcl.engine.algorithm import ClientAlgorithm
 from fedjax_rcl.losses import rcl_loss_terms, supcon_loss
+from fedjax_rcl.validation import check_levels, finite
 
 
 def select_levels(features: Sequence, levels: Sequence[int] | None) -> tuple:
@@ -33,8 +34,7 @@ def select_levels(features: Sequence, levels: Sequence[int] | None) -> tuple:
 
 
 def fedrcl(*, temperature: float = 0.05, threshold: float = 0.7, beta: float = 1.0,
-           mining: str = "hard", levels: Sequence[int] | None = None,
-           name: str = "fedrcl") -> ClientAlgorithm:
+           mining: str = "hard", levels: Sequence[int] | None = None) -> ClientAlgorithm:
     """FedRCL's local objective.
 
     Args:
@@ -43,7 +43,6 @@ def fedrcl(*, temperature: float = 0.05, threshold: float = 0.7, beta: float = 1
       beta: penalty weight (reference 1); 0 is FedSCL and skips the penalty entirely.
       mining: ``"hard"`` (reference) or ``"none"`` (paper).
       levels: feature levels to use; None = all (paper), ``[-1]`` = last layer only (ablation).
-      name: registry name reported by the algorithm.
     """
     if mining not in ("hard", "none"):
         raise ValueError(f"mining={mining!r}: allowed hard, none")
@@ -65,28 +64,36 @@ def fedrcl(*, temperature: float = 0.05, threshold: float = 0.7, beta: float = 1
         penalty = jnp.mean(jnp.stack([t[1] for t in terms]))
         return ce + scl + beta * penalty, {"ce": ce, "scl": scl, "penalty": penalty}
 
-    return ClientAlgorithm(name=name, objective=objective)
+    return ClientAlgorithm(objective)
 
 
 def fedscl(*, temperature: float = 0.05, mining: str = "hard",
            levels: Sequence[int] | None = None) -> ClientAlgorithm:
     """FedSCL: FedRCL without the penalty (beta = 0), the paper's ablation."""
-    return fedrcl(temperature=temperature, beta=0.0, mining=mining, levels=levels, name="fedscl")
+    return fedrcl(temperature=temperature, beta=0.0, mining=mining, levels=levels)
 
 
 @dataclasses.dataclass
 class FedRCLConfig:
-    """``algorithm=fedrcl`` and ``fedscl`` (which forces beta = 0). Reference defaults."""
+    """``algorithm=fedrcl`` and ``fedscl`` (which forces beta = 0); the authors' defaults.
+
+    Attributes:
+      temperature: tau of the contrastive and penalty terms.
+      threshold: the cosine similarity above which same-class pairs are penalised.
+      beta: the weight of the relaxation penalty (0 is FedSCL).
+      mining: ``hard`` is the authors' released loss (hardest positive, two hardest
+        negatives); ``none`` the paper's Eq. 2 and 5.
+      levels: the feature levels the loss applies to; null: every level, ``[-1]``: the last
+        (the paper's ablation).
+    """
 
     temperature: float = 0.05
     threshold: float = 0.7
     beta: float = 1.0
-    mining: str = "hard"  # hard (authors' code) | none (paper Eq. 2 and 5)
-    levels: list[int] | None = None  # None: every level; [-1]: last layer only (ablation)
+    mining: str = "hard"
+    levels: list[int] | None = None
 
     def check(self, ctx) -> list[str]:
-        from fedjax_rcl.config import check_levels, finite
-
         p = []
         if not (finite(self.temperature) and self.temperature > 0):
             p.append(f"temperature={self.temperature!r}: must be > 0")

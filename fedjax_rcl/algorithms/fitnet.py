@@ -21,10 +21,11 @@ import dataclasses
 import jax
 
 from fedjax_rcl import registry
-from fedjax_rcl.algorithms.base import ClientAlgorithm
 from fedjax_rcl.algorithms.fedavg import cross_entropy
+from fedjax_rcl.engine.algorithm import ClientAlgorithm
 from fedjax_rcl.losses.baselines import feature_hint_loss
 from fedjax_rcl.models.base import ModelFns
+from fedjax_rcl.validation import finite
 
 
 def fitnet(model: ModelFns, *, weight: float = 0.001) -> ClientAlgorithm:
@@ -38,18 +39,21 @@ def fitnet(model: ModelFns, *, weight: float = 0.001) -> ClientAlgorithm:
         hint = feature_hint_loss(out.features, jax.lax.stop_gradient(glob.features))
         return ce + weight * hint, {"ce": ce, "hint": hint}
 
-    return ClientAlgorithm(name="fitnet", objective=objective)
+    return ClientAlgorithm(objective)
 
 
 @dataclasses.dataclass
 class FitNetConfig:
-    """``algorithm=fitnet``: hint weight lambda (FedRCL's tables: 0.001)."""
+    """``algorithm=fitnet``.
+
+    Attributes:
+      weight: the weight of the hint loss to the frozen global model's levels (FedRCL's
+        tables: 0.001).
+    """
 
     weight: float = 0.001
 
     def check(self, ctx) -> list[str]:
-        from fedjax_rcl.config import finite
-
         del ctx
         ok = finite(self.weight) and self.weight >= 0
         return [] if ok else [f"weight={self.weight!r}: must be >= 0"]

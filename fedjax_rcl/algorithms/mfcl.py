@@ -12,7 +12,7 @@ between the reconstruction and the input pixels in [0, 1]:
       -\\big[x_{i,p} \\log \\sigma(\\hat x_{i,p})
       + (1 - x_{i,p}) \\log (1 - \\sigma(\\hat x_{i,p}))\\big]
 
-over the 2K rows of a batch of K view pairs (Twin Normalization needs the pairs, SPEC §7), and
+over the 2K rows of a batch of K view pairs (Twin Normalization needs the pairs), and
 the ``mfcl`` config section (phase 2, the probe, the client module's group size). The engine
 runs phase 1 as any client algorithm (clients vmapped, local steps scanned, one program per
 round); ``algorithm=mfcl`` is therefore refused by ``train`` and run by ``fedjax-rcl mfcl``.
@@ -26,8 +26,8 @@ import jax
 import optax
 
 from fedjax_rcl import registry
-from fedjax_rcl.algorithms.base import ClientAlgorithm
-from fedjax_rcl.config import finite
+from fedjax_rcl.engine.algorithm import ClientAlgorithm
+from fedjax_rcl.validation import CheckContext, finite
 
 
 def reconstruction_bce(logits: jax.Array, images: jax.Array) -> jax.Array:
@@ -44,34 +44,50 @@ class MfclConfig:
 
     Defaults follow MFCL / SimCLR where they say (LARS, cosine schedule from lr 1.0, NT-Xent
     temperature 0.5, projection to 128) and are CPU-sized where they are a budget (server
-    epochs, width). The client module's group normalisation uses ``group_size`` channels per
-    group (2 groups of 64 channels by default).
+    epochs, width).
+
+    Attributes:
+      group_size: channels per group of GN / TN in the client module and its decoder (2
+        groups of 64 channels by default).
+      rho: augmented view pairs each client sends per sample in phase 2.
+      delta: the probability that a client drops out of phase 2.
+      server_epochs: phase 2's passes over the representations the server received.
+      server_batch_size: view pairs per server step.
+      server_lr: LARS's peak learning rate (cosine decay to 0 over phase 2).
+      server_weight_decay: LARS's weight decay.
+      server_width: the server ResNet-18's first-stage channels (w, 2w, 4w, 8w).
+      projection_dim: the output size of the server's projection head.
+      temperature: the NT-Xent temperature.
+      blur: Gaussian blur among the augmentations (MFCL uses it for Tiny-ImageNet).
+      probe_epochs: epochs of Adam of the linear probe on frozen features.
+      probe_lr: the probe's learning rate.
+      probe_batch_size: the probe's batch size.
+      train_samples: train on a random subset of this many training samples (seeded by
+        ``seed``); 0: all.
+      bn_statistics: how a BatchNorm client module (``norm=batch``) computes the phase-2
+        representations: ``running``, its evaluation form (each sample on its own, as TN and
+        GN are batch-independent); ``batch``, as in training, each client normalising batches
+        of ``batch_size`` of its own view pairs by their statistics.
     """
 
-    group_size: int = 32  # channels per group of GN / TN in the client module and decoder
-    rho: int = 1  # augmented view pairs each client sends per sample in phase 2
-    delta: float = 0.0  # probability that a client drops out of phase 2
-    server_epochs: int = 20  # phase 2 passes over the representations the server received
-    server_batch_size: int = 256  # view pairs per server step
-    server_lr: float = 1.0  # LARS peak learning rate (cosine decay to 0 over phase 2)
+    group_size: int = 32
+    rho: int = 1
+    delta: float = 0.0
+    server_epochs: int = 20
+    server_batch_size: int = 256
+    server_lr: float = 1.0
     server_weight_decay: float = 1e-6
-    server_width: int = 64  # the server ResNet-18's first-stage channels (w, 2w, 4w, 8w)
+    server_width: int = 64
     projection_dim: int = 128
-    temperature: float = 0.5  # NT-Xent
-    blur: bool = False  # Gaussian blur among the augmentations (MFCL: Tiny-ImageNet)
-    probe_epochs: int = 30  # linear probe on frozen features: epochs of Adam
+    temperature: float = 0.5
+    blur: bool = False
+    probe_epochs: int = 30
     probe_lr: float = 1e-3
     probe_batch_size: int = 256
-    # Train on a random subset of this many training samples (seeded by ``seed``); 0: all.
     train_samples: int = 0
-    # How a BatchNorm client module (norm=batch) computes the phase-2 representations:
-    # "running": its evaluation form (running statistics, each sample on its own, as TN and GN
-    # are batch-independent); "batch": as in training, each client normalising batches of
-    # ``batch_size`` of its own view pairs by their statistics (a client at small xi sees one
-    # or two classes per batch: the heterogeneity MFCL's Twin Normalization is meant to avoid).
     bn_statistics: str = "running"
 
-    def check(self, ctx: registry.CheckContext) -> list[str]:
+    def check(self, ctx: CheckContext) -> list[str]:
         p = []
         if self.group_size < 1 or 64 % self.group_size:
             p.append(f"group_size={self.group_size!r}: must divide the client module's 64 "
@@ -130,8 +146,7 @@ def mfcl_reconstruction() -> ClientAlgorithm:
         bce = reconstruction_bce(out.logits, batch.images)
         return bce, {"bce": bce}
 
-    return ClientAlgorithm(name="mfcl", objective=objective, num_views=2,
-                           optimizer=adam_client_optimizer)
+    return ClientAlgorithm(objective, optimizer=adam_client_optimizer)
 
 
 registry.register_algorithm(

@@ -20,10 +20,11 @@ import dataclasses
 import jax
 
 from fedjax_rcl import registry
-from fedjax_rcl.algorithms.base import ClientAlgorithm
 from fedjax_rcl.algorithms.fedavg import cross_entropy
+from fedjax_rcl.engine.algorithm import ClientAlgorithm
 from fedjax_rcl.losses import moon_loss
 from fedjax_rcl.models.base import ModelFns
+from fedjax_rcl.validation import finite
 
 
 def moon(model: ModelFns, *, mu: float = 1.0, temperature: float = 0.5) -> ClientAlgorithm:
@@ -45,8 +46,7 @@ def moon(model: ModelFns, *, mu: float = 1.0, temperature: float = 0.5) -> Clien
         return ce + mu * con, {"ce": ce, "moon": con}
 
     return ClientAlgorithm(
-        name="moon",
-        objective=objective,
+        objective,
         init_client_state=lambda params, model_state: (params, model_state),
         update_client_state=lambda state, params, model_state: (params, model_state),
     )
@@ -54,15 +54,20 @@ def moon(model: ModelFns, *, mu: float = 1.0, temperature: float = 0.5) -> Clien
 
 @dataclasses.dataclass
 class MoonConfig:
-    """``algorithm=moon`` (mu: 5 for CIFAR-10 in MOON, 1 in FedRCL's tables)."""
+    """``algorithm=moon``.
+
+    Attributes:
+      mu: the weight of the model-contrastive term (5 for CIFAR-10 in MOON, 1 in FedRCL's
+        tables).
+      temperature: its temperature.
+      projection_dim: the output size of the projection head the term compares.
+    """
 
     mu: float = 1.0
     temperature: float = 0.5
     projection_dim: int = 256
 
     def check(self, ctx) -> list[str]:
-        from fedjax_rcl.config import finite
-
         p = []
         if not (finite(self.mu) and self.mu >= 0):
             p.append(f"mu={self.mu!r}: must be >= 0")

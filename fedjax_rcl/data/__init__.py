@@ -1,4 +1,4 @@
-"""Datasets, client partitions, device packing and augmentation (SPEC §2).
+"""Datasets, client partitions, device packing and augmentation.
 
 Importing this package stays light (NumPy only); ``augment`` and ``device`` pull in JAX and are
 imported from their modules.

@@ -1,4 +1,4 @@
-"""The training set on device and clients as an index table (SPEC §2 "On device").
+"""The training set on the device, and the clients as an index table into it.
 
 Batches are gathered by index inside the compiled round, so no data crosses from host to device
 during training; only shapes are static: ``[num_clients, max_size]`` indices padded with 0 plus

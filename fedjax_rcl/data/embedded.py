@@ -12,7 +12,8 @@ import importlib.metadata
 import numpy as np
 from PIL import Image
 
-from fedjax_rcl.data.sources import ImageDataset, cached_arrays, channel_stats
+from fedjax_rcl.data.cache import cached_arrays
+from fedjax_rcl.data.dataset import ImageDataset, channel_stats
 
 __all__ = ["load_digits"]
 
@@ -22,7 +23,7 @@ _SPLIT_SEED = 0
 
 
 def _decode_digits() -> dict[str, np.ndarray]:
-    from sklearn.datasets import load_digits as sklearn_digits  # ~1 s import: only when used
+    from sklearn.datasets import load_digits as sklearn_digits  # a slow import: only when used
 
     digits = sklearn_digits()
     small = np.rint(digits.images * (255.0 / 16.0)).astype(np.uint8)  # [N, 8, 8], 0..255
@@ -40,7 +41,7 @@ def load_digits(cache_dir: str | None = None) -> ImageDataset:
     permutation drawn from ``np.random.default_rng(0)`` (so it never depends on any run
     setting); both splits keep the original order. mean/std are the train images' statistics.
     Digits are not mirror-symmetric, so ``hflip`` is False. The decoded arrays are cached like
-    any other source (importing scikit-learn costs about a second per process).
+    any other source (importing scikit-learn is slow, and a cached load needs none of it).
     """
     version = importlib.metadata.version("scikit-learn")
     arrays = cached_arrays(cache_dir, "digits", ["digits", version, _SIZE], _decode_digits)

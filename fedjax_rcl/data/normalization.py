@@ -1,10 +1,10 @@
-"""Per-channel normalisation constants of the datasets the SPEC names, and how to recognise them.
+"""Per-channel normalisation constants of the named datasets, and how to recognise them.
 
-SPEC §2: CIFAR-10, CIFAR-100 and Tiny-ImageNet are normalised with fixed constants (the FedRCL
-reference's) whatever the source -- TFDS, or an image folder/zip of the same dataset such as the
-shared ``cifar10-jpeg.zip``; statistics computed from the data are only for datasets the SPEC
-does not name. An image folder is recognised as a named dataset by its class names and image
-size, which pin it down without reading a single pixel:
+CIFAR-10, CIFAR-100 and Tiny-ImageNet are normalised with fixed constants (the FedRCL
+reference's) whatever the source -- TFDS, or an image folder/zip of the same dataset such as a
+CIFAR-10 JPEG archive -- so that every source trains the same model; statistics computed from
+the data are only for datasets not named here. An image folder is recognised as a named
+dataset by its class names and image size, which pin it down without reading a single pixel:
 
 * CIFAR-10: the ten class names (any order), 32x32;
 * CIFAR-100: the hundred fine-label names, 32x32;
@@ -59,7 +59,8 @@ NAMED: dict[str, Named] = {
 
 
 def recognise(class_names: Sequence[str], image_shape: Sequence[int]) -> str | None:
-    """The SPEC's name for a dataset with these classes and ``(H, W, C)`` images, or None.
+    """The name of a dataset with these classes and ``(H, W, C)`` images (a key of ``NAMED``),
+    or None.
 
     >>> recognise(["cat", "dog", "airplane", "automobile", "bird", "deer", "frog", "horse",
     ...            "ship", "truck"], (32, 32, 3))

@@ -21,186 +21,24 @@ not import tensorflow-datasets or scikit-learn.
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
-import hashlib
-import json
-import logging
-import os
-import tempfile
-import time
-import zipfile
-from collections.abc import Callable, Sequence
-from pathlib import Path
-
-import numpy as np
+from fedjax_rcl.data.cache import CACHE_FORMAT_VERSION, cached_arrays, default_cache_dir
+from fedjax_rcl.data.dataset import DataError, ImageDataset, channel_stats
 
 __all__ = [
+    "CACHE_FORMAT_VERSION",
     "DataError",
     "ImageDataset",
+    "cached_arrays",
     "channel_stats",
     "check_dataset_spec",
     "default_cache_dir",
     "load_dataset",
 ]
 
-_log = logging.getLogger(__name__)
-
-# Bump when the layout or meaning of cached arrays changes: old cache files are then ignored.
-CACHE_FORMAT_VERSION = 1
 TFDS_NAMES = ("cifar10", "cifar100")
 _IMAGEFOLDER_PREFIX = "imagefolder:"
 _ALLOWED = ("'digits', 'cifar10', 'cifar100', 'tiny_imagenet' or 'imagefolder:PATH' (a directory "
             "or .zip)")
-
-
-class DataError(ValueError):
-    """Bad dataset spec or unreadable data.
-
-    The message is one line naming what is wrong, the offending value (path, member, spec) and
-    what is allowed or how to fix it.
-    """
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class ImageDataset:
-    """A labelled image dataset held in host memory.
-
-    Attributes:
-        name: The spec it was loaded from, e.g. ``"digits"``, ``"cifar10"`` or
-            ``"imagefolder:/abs/path.zip"``.
-        train_images: ``uint8 [N, H, W, C]`` in 0..255.
-        train_labels: ``int32 [N]`` in ``0..num_classes-1``.
-        test_images: ``uint8 [M, H, W, C]``.
-        test_labels: ``int32 [M]``.
-        class_names: Name of each label, ``len == num_classes``.
-        mean: Per-channel normalisation mean in [0, 1] pixel units (``len == C``).
-        std: Per-channel normalisation standard deviation in [0, 1] pixel units.
-        hflip: Whether horizontal flips preserve labels (False for digits).
-
-    The arrays are made read-only: one dataset is shared by everything that trains on it.
-    """
-
-    name: str
-    train_images: np.ndarray
-    train_labels: np.ndarray
-    test_images: np.ndarray
-    test_labels: np.ndarray
-    class_names: tuple[str, ...]
-    mean: tuple[float, ...]
-    std: tuple[float, ...]
-    hflip: bool
-
-    def __post_init__(self):
-        # Catch a malformed source here rather than as a shape error deep inside a jitted round.
-        for split in ("train", "test"):
-            images = getattr(self, f"{split}_images")
-            labels = getattr(self, f"{split}_labels")
-            if images.dtype != np.uint8 or images.ndim != 4 or labels.dtype != np.int32:
-                raise TypeError(f"{self.name}: {split} must be uint8 NHWC images and int32 labels,"
-                                f" got {images.dtype}{images.shape} and {labels.dtype}")
-            if labels.shape != images.shape[:1]:
-                raise ValueError(f"{self.name}: {len(labels)} {split} labels for"
-                                 f" {len(images)} images")
-            images.flags.writeable = False
-            labels.flags.writeable = False
-        if self.train_images.shape[1:] != self.test_images.shape[1:]:
-            raise ValueError(f"{self.name}: train images {self.train_images.shape[1:]} and test"
-                             f" images {self.test_images.shape[1:]} differ in shape")
-        if not len(self.mean) == len(self.std) == self.train_images.shape[-1]:
-            raise ValueError(f"{self.name}: mean/std need one value per channel")
-
-    @property
-    def num_classes(self) -> int:
-        """Number of classes (labels are ``0..num_classes-1``)."""
-        return len(self.class_names)
-
-    @property
-    def image_shape(self) -> tuple[int, int, int]:
-        """``(H, W, C)`` of every image."""
-        return tuple(self.train_images.shape[1:])
-
-
-def channel_stats(images: np.ndarray) -> tuple[tuple[float, ...], tuple[float, ...]]:
-    """Per-channel mean and (population) standard deviation of uint8 images, in [0, 1] units.
-
-    Sums run over chunks of images in float64, which is exact for integer pixel values at any
-    realistic dataset size (< 2**53 / 255**2 values per channel) and never needs a float copy
-    of the whole set (CIFAR-10's train set would be 1.2 GB as float64).
-
-    Args:
-        images: ``uint8 [N, H, W, C]``.
-
-    Returns:
-        ``(mean, std)``, each a tuple of ``C`` floats.
-    """
-    total = np.zeros(images.shape[-1])
-    total_sq = np.zeros(images.shape[-1])
-    for start in range(0, len(images), 1024):
-        x = images[start:start + 1024].reshape(-1, images.shape[-1]).astype(np.float64)
-        total += x.sum(axis=0)
-        total_sq += np.square(x).sum(axis=0)
-    count = images.size // images.shape[-1]
-    mean = total / count
-    std = np.sqrt(np.maximum(total_sq / count - mean**2, 0.0))
-    return tuple((mean / 255.0).tolist()), tuple((std / 255.0).tolist())
-
-
-def default_cache_dir() -> Path:
-    """Where decoded arrays are cached: ``$FEDJAX_RCL_CACHE``, else ``~/.cache/fedjax_rcl``."""
-    return Path(os.environ.get("FEDJAX_RCL_CACHE") or Path.home() / ".cache" / "fedjax_rcl")
-
-
-def cached_arrays(cache_dir: str | os.PathLike | None, kind: str, key: Sequence,
-                  build: Callable[[], dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
-    """Returns ``build()``'s arrays, from the on-disk cache when an entry for ``key`` exists.
-
-    The entry is ``CACHE_DIR/KIND-HASH.npz`` with ``HASH`` over ``(CACHE_FORMAT_VERSION,
-    *key)``; callers put into ``key`` whatever identifies the source's content (path, size,
-    mtime). It is written to a temporary file in the same directory and renamed into place, so
-    a process killed while saving never leaves a partial entry; an unreadable entry counts as a
-    miss and is rebuilt. A cache that cannot be written only costs a warning.
-
-    Args:
-        cache_dir: Cache directory; None for :func:`default_cache_dir`.
-        kind: Short readable prefix of the file name, e.g. ``"imagefolder"``.
-        key: JSON-serialisable values identifying the source.
-        build: Produces the arrays (``str`` arrays allowed; no object arrays) on a miss.
-
-    Returns:
-        Name -> array, as ``build`` returned them.
-    """
-    cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    digest = hashlib.sha256(json.dumps([CACHE_FORMAT_VERSION, *key]).encode()).hexdigest()
-    path = cache_dir / f"{kind}-{digest[:24]}.npz"
-    if path.is_file():
-        try:
-            with np.load(path, allow_pickle=False) as npz:
-                return {name: npz[name] for name in npz.files}
-        except (OSError, ValueError, EOFError, zipfile.BadZipFile) as err:
-            _log.warning("ignoring unreadable cache entry %s (%s); rebuilding it", path, err)
-    arrays = build()
-    try:
-        cache_dir.mkdir(parents=True, exist_ok=True)
-        # A process killed mid-save leaves its temporary file: drop those older than an hour
-        # (younger ones may belong to a concurrent writer).
-        for stale in cache_dir.glob(f".{path.name}.*.tmp"):
-            with contextlib.suppress(OSError):
-                if time.time() - stale.stat().st_mtime > 3600:
-                    stale.unlink()
-        fd, tmp = tempfile.mkstemp(dir=cache_dir, prefix=f".{path.name}.", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                np.savez(f, **arrays)
-            os.replace(tmp, path)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
-    except OSError as err:
-        _log.warning("could not write the data cache %s (%s); the next load decodes again",
-                     path, err)
-    return arrays
 
 
 def _parse_spec(spec: str) -> tuple[str, str | None]:

@@ -15,7 +15,7 @@ Resolution order for a dataset:
 2. else its archive (``cifar-10-binary.tar.gz`` / ``cifar-100-binary.tar.gz``) is in
    ``DATA_DIR/downloads/manual/``: prepare from it, offline;
 3. else the download host answers within 3 s: download and prepare;
-4. else :class:`~fedjax_rcl.data.sources.DataError` saying how to fix it (TFDS itself would
+4. else :class:`~fedjax_rcl.data.dataset.DataError` saying how to fix it (TFDS itself would
    retry an offline download for minutes).
 
 Decoded arrays are cached like image folders, keyed by the prepared folder and its
@@ -36,12 +36,13 @@ import tensorflow_datasets as tfds
 from PIL import Image
 from tensorflow_datasets.image_classification import cifar
 
+from fedjax_rcl.data.cache import cached_arrays
+from fedjax_rcl.data.dataset import DataError, ImageDataset
 from fedjax_rcl.data.normalization import NAMED
-from fedjax_rcl.data.sources import DataError, ImageDataset, cached_arrays
 
 __all__ = ["NORMALIZATION", "check_tfds", "load_tfds"]
 
-# Per-channel (mean, std) in [0, 1] units (SPEC section 2; the FedRCL reference's constants).
+# Per-channel (mean, std) in [0, 1] units (the FedRCL reference's constants).
 NORMALIZATION = {name: (NAMED[name].mean, NAMED[name].std) for name in ("cifar10", "cifar100")}
 DOWNLOAD_HOST = ("www.cs.toronto.edu", 443)
 CONNECT_TIMEOUT_S = 3.0
@@ -201,7 +202,8 @@ def load_tfds(name: str, *, data_dir: str | os.PathLike | None = None,
 
     Returns:
         The dataset: ``uint8 [N, 32, 32, 3]`` images in TFDS's stored order, ``int32`` labels
-        (CIFAR-100: the 100 fine classes), SPEC's normalisation constants, ``hflip=True``.
+        (CIFAR-100: the 100 fine classes), the named normalisation constants
+        (``normalization.NAMED``), ``hflip=True``.
 
     Raises:
         DataError: See the module docstring; a failed download or prepare is reported as one.

@@ -14,8 +14,8 @@
 TFDS's manual-download folder (``$TFDS_DATA_DIR`` or ``~/tensorflow_datasets``, then
 ``downloads/manual``), where the CIFAR archives go too. Images are decoded with Pillow to RGB
 (about 1 % of Tiny-ImageNet is grayscale), with the image folder's zip safety rules, and cached
-(:func:`fedjax_rcl.data.sources.cached_arrays`); the SPEC's Tiny-ImageNet constants normalise
-them (SPEC §2).
+(:func:`fedjax_rcl.data.cache.cached_arrays`); the FedRCL reference's Tiny-ImageNet constants
+normalise them (``normalization.NAMED``).
 """
 
 from __future__ import annotations
@@ -26,9 +26,10 @@ from pathlib import Path
 
 import numpy as np
 
-from fedjax_rcl.data.imagefolder import _dir_entries, _open_tree, _resolve_root, decode_images
+from fedjax_rcl.data.cache import cached_arrays
+from fedjax_rcl.data.dataset import DataError, ImageDataset
+from fedjax_rcl.data.files import Entry, decode_images, dir_entries, open_tree, resolve_root
 from fedjax_rcl.data.normalization import NAMED
-from fedjax_rcl.data.sources import DataError, ImageDataset, cached_arrays
 
 __all__ = ["ARCHIVE", "check_tiny_imagenet", "find_root", "load_tiny_imagenet"]
 
@@ -52,7 +53,7 @@ def find_root(data_dir: str | None) -> Path:
     candidates = [base, base / ARCHIVE, base / f"{ARCHIVE}.zip"]
     for c in candidates:
         if c.is_file() and (zipfile.is_zipfile(c) or c.suffix == ".zip"):
-            return _resolve_root(str(c))  # a damaged zip is named as such
+            return resolve_root(str(c))  # a damaged zip is named as such
         if c.is_dir() and (c / "wnids.txt").is_file():
             return c.resolve()
     looked = ", ".join(str(c) for c in candidates)
@@ -108,7 +109,7 @@ def _layout(entries, read, root: Path):
 def check_tiny_imagenet(data_dir: str | None) -> None:
     """Validates the archive's layout without decoding an image (``DataError`` if wrong)."""
     root = find_root(data_dir)
-    with _open_tree(root) as (entries, read):
+    with open_tree(root) as (entries, read):
         _layout(_with_text_files(entries, root), read, root)
 
 
@@ -116,14 +117,12 @@ def _with_text_files(entries, root: Path):
     """A directory walk lists only images; add the two text files the layout needs."""
     if not root.is_dir():
         return entries
-    from fedjax_rcl.data.imagefolder import _Entry
-
     extra = []
     for dirpath, _, filenames in os.walk(root):
         rel = Path(dirpath).relative_to(root).as_posix()
         for f in filenames:
             if f in ("wnids.txt", "val_annotations.txt"):
-                extra.append(_Entry(f if rel == "." else f"{rel}/{f}", False))
+                extra.append(Entry(f if rel == "." else f"{rel}/{f}", False))
     return [*entries, *extra]
 
 
@@ -133,19 +132,19 @@ def load_tiny_imagenet(data_dir: str | None, *,
 
     Returns:
         The dataset named ``"tiny_imagenet"``: ``uint8 [N, 64, 64, 3]`` images, labels
-        indexing the sorted wnids, the SPEC's constants, ``hflip=True``.
+        indexing the sorted wnids, the named constants, ``hflip=True``.
     """
     root = find_root(data_dir)
     if root.is_dir():
         key = ["dir", str(root), [[e.path, e.size, e.mtime_ns] for e in
-                                  sorted(_dir_entries(root), key=lambda e: e.path)
+                                  sorted(dir_entries(root), key=lambda e: e.path)
                                   if not e.is_dir]]
     else:
         st = root.stat()
         key = ["zip", str(root), st.st_size, st.st_mtime_ns]
 
     def build() -> dict[str, np.ndarray]:
-        with _open_tree(root) as (entries, read):
+        with open_tree(root) as (entries, read):
             wnids, train, test = _layout(_with_text_files(entries, root), read, root)
             members = train + test
             blobs = [read(m) for m, _ in members]

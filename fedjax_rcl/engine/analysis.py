@@ -91,16 +91,12 @@ def make_analysis(exp, num_images: int):
         return jnp.zeros((cfg.num_clients,), jnp.int32).at[picks.reshape(-1)].add(
             counted.reshape(-1))
 
-    def client_row(state, r: int):
-        table = exp.host_table if exp.host_table is not None else state.client_states
-        return jax.tree.map(lambda t: jnp.asarray(t[r]), table)
-
     def analyze(state) -> dict:
         x = jnp.asarray(images)
         out = _summary("global", jax.device_get(features(state.params, state.model_state, x)),
                        labels)
         first = int(sample_clients(state.key, state.round, cfg.num_clients, m)[0])
-        params, model_state, client = local_model(state, data, client_row(state, first))
+        params, model_state, client = local_model(state, data, exp.table.row(state, first))
         out.update(_summary("local", jax.device_get(features(params, model_state, x)), labels))
         out["local_client"] = int(client)
         counts = np.asarray(jax.device_get(histogram(state.key, int(state.round))))

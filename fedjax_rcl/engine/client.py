@@ -1,4 +1,4 @@
-"""One client's local training: a ``lax.scan`` over local steps (SPEC §3 step 4, §4).
+"""One client's local training: a ``lax.scan`` over local steps (step 4 of the round).
 
 Each step gathers a batch by index from the device-resident training set, augments it in-graph,
 takes the gradient of the algorithm's local objective and applies the client optimizer. The
@@ -8,10 +8,10 @@ run it client by client to check the ``vmap``.
 Local epochs and uneven clients, with static shapes: client ``k`` with ``n_k`` samples runs
 ``S_k = ceil(n_k / B)`` steps per epoch for ``E`` epochs. The scan has the static length
 ``E * ceil(max_k n_k / B)``; a client's steps past ``E * S_k`` are masked (its parameters and
-optimizer state pass through unchanged, STYLE #4). Each epoch draws a fresh permutation of the
-client's samples; a final partial batch is filled by wrapping around to the start of that epoch's
-permutation, so every batch has exactly ``B`` samples (for the paper's 500 samples per client and
-B = 50 there is no partial batch and no padding at all).
+optimizer state pass through unchanged: padded, masked, never branched in Python). Each epoch
+draws a fresh permutation of the client's samples; a final partial batch is filled by wrapping
+around to the start of that epoch's permutation, so every batch has exactly ``B`` samples (for
+the paper's 500 samples per client and B = 50 there is no partial batch and no padding at all).
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from fedjax_rcl.algorithms.base import Batch, ClientAlgorithm, LocalContext
 from fedjax_rcl.data.augment import augment_batch
 from fedjax_rcl.data.device import ClientData
+from fedjax_rcl.engine.algorithm import Batch, ClientAlgorithm, LocalContext
 from fedjax_rcl.models.base import ModelFns, ModelState
 from fedjax_rcl.types import ClientState, Params, PRNGKey
 
@@ -68,6 +68,8 @@ class LocalTraining:
       mean, std: normalization constants; hflip, max_degrees, crop_padding: augmentation.
       augment: False to only normalize (no random geometry).
       num_classes: size of ``LocalContext.label_counts`` (0: not computed).
+      num_views: augmented views of each sample in a batch (the algorithm's registered
+        ``num_views``: 2 for view-contrastive objectives).
     """
 
     batch_size: int
@@ -82,6 +84,7 @@ class LocalTraining:
     crop_padding: int = 4
     augment: bool = True
     num_classes: int = 0
+    num_views: int = 1
 
     @property
     def num_steps(self) -> int:
@@ -103,11 +106,12 @@ def epoch_permutations(key: PRNGKey, size: jax.Array, max_size: int, epochs: int
 
 
 def report_like(model: ModelFns, algorithm: ClientAlgorithm, params: Params,
-                model_state: ModelState, image_shape: tuple[int, ...], batch_size: int):
+                model_state: ModelState, image_shape: tuple[int, ...], batch_size: int,
+                num_views: int = 1):
     """Shapes and dtypes of one step's ``algorithm.report`` (None if it has none)."""
     if algorithm.report is None:
         return None
-    images = jnp.zeros((batch_size * algorithm.num_views, *image_shape), jnp.float32)
+    images = jnp.zeros((batch_size * num_views, *image_shape), jnp.float32)
     batch = Batch(images, jnp.zeros((batch_size,), jnp.int32))
 
     def one(p, s):
@@ -181,7 +185,7 @@ def make_local_update(model: ModelFns, algorithm: ClientAlgorithm,
                               max_degrees=s.max_degrees if s.augment else 0.0,
                               crop_padding=s.crop_padding if s.augment else 0,
                               hflip=s.hflip and s.augment)
-                for v in range(algorithm.num_views)
+                for v in range(s.num_views)
             ]
             batch = Batch(jnp.concatenate(views) if len(views) > 1 else views[0], labels)
             ctx = LocalContext(global_params, global_model_state, client_state, k_loss, counts,

@@ -1,17 +1,19 @@
-"""The federated round as one compiled program, and several rounds fused (SPEC §3).
+"""The federated round as one compiled program, and several rounds fused.
 
-``run_round(state, data) -> (state, metrics)``:
+``round_rows(state, data, rows) -> (state, metrics, new_rows)``, the sampled clients' rows of
+the per-client state table in and their new rows out (``engine.tables`` keeps the table, on
+the device or in host memory):
 
 1. keys depend only on (seed, round, client): ``fold_in(fold_in(client_root, round), client)``,
    so a resumed run is identical to an uninterrupted one;
 2. ``m = max(int(participation * num_clients), 1)`` clients sampled without replacement;
 3. the server's broadcast (``ServerOptimizer.start``: the global model, or FedACG's
-   look-ahead) sent to every client (``in_axes=None``), each sampled client's state gathered;
+   look-ahead) sent to every client (``in_axes=None``), with each sampled client's state row;
 4. ``vmap`` over the sampled clients of the local ``scan`` (``engine/client.py``);
 5. weighted mean of client models (and of their BatchNorm statistics, if any) over the client
    axis;
-6. server optimizer (optax) on the pseudo-gradient ``theta - mean_k theta_k``; client states
-   scattered back into the table.
+6. server optimizer (optax) on the pseudo-gradient ``theta - mean_k theta_k``; the clients' new
+   state rows returned.
 
 ``run_rounds(state, data, n)`` runs ``n`` rounds in one ``fori_loop`` (``n`` is a traced value, so
 every chunk length between evaluations uses the same executable) and returns each round's
@@ -29,12 +31,12 @@ from flax import struct
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from fedjax_rcl.algorithms.base import ClientAlgorithm
 from fedjax_rcl.data.device import ClientData
+from fedjax_rcl.engine.algorithm import ClientAlgorithm
 from fedjax_rcl.models.base import ModelState
 from fedjax_rcl.server.aggregate import client_weights, weighted_mean
 from fedjax_rcl.server.optimizers import ServerOptimizer
-from fedjax_rcl.types import ClientState, Metrics, Params, PRNGKey
+from fedjax_rcl.types import ClientState, Params, PRNGKey
 
 # The mesh axis that clients are sharded over.
 CLIENTS = "clients"
@@ -67,15 +69,13 @@ class ServerState:
 
 
 def init_server_state(params: Params, model_state: ModelState, algorithm: ClientAlgorithm,
-                      server_opt: ServerOptimizer, num_clients: int,
-                      key: PRNGKey, report_like=None) -> ServerState:
-    """The state before round 0: every client's state built from the initial global model,
-    and the server's message from all-zero reports shaped as ``report_like`` (an algorithm
-    with a ``report``)."""
-    one = algorithm.init_client_state(params, model_state)
-    table = jax.tree.map(lambda x: jnp.broadcast_to(x, (num_clients, *jnp.shape(x))).copy(), one)
+                      server_opt: ServerOptimizer, key: PRNGKey,
+                      report_like=None) -> ServerState:
+    """The state before round 0, without the per-client table (``client_states=()``: a
+    ``engine.tables`` strategy places it), and the server's message from all-zero reports
+    shaped as ``report_like`` (an algorithm with a ``report``)."""
     return ServerState(params=params, model_state=model_state, opt_state=server_opt.tx.init(params),
-                       client_states=table, round=jnp.zeros((), jnp.int32), key=key,
+                       client_states=(), round=jnp.zeros((), jnp.int32), key=key,
                        message=initial_message(algorithm, report_like))
 
 
@@ -115,7 +115,7 @@ def cohort_layout(m: int, devices: int, clients_in_parallel: int | None) -> tupl
     ``per_group`` clients train side by side (``vmap``, sharded over ``devices``), the groups one
     after another (``lax.map``), which bounds memory when clients are many or models large.
     ``per_group`` is rounded up to a multiple of ``devices``; ``groups * per_group >= m``, and the
-    extra slots are padded clients that weigh 0 (STYLE #4).
+    extra slots are padded clients that weigh 0 (padded and masked, never a Python branch).
     """
     k = m if not clients_in_parallel else min(clients_in_parallel, m)
     k = -(-k // devices) * devices
@@ -125,8 +125,9 @@ def cohort_layout(m: int, devices: int, clients_in_parallel: int | None) -> tupl
 def make_round(local_update, server_opt: ServerOptimizer, *, num_clients: int,
                server_message=None,
                participation: float, aggregation: str, mesh: Mesh | None = None,
-               clients_in_parallel: int | None = None, host_states: bool = False):
-    """Builds the round as a pure function (jit it, or fuse several with ``make_run_rounds``).
+               clients_in_parallel: int | None = None):
+    """Builds the round as a pure function of the sampled clients' state rows; a table
+    strategy (``engine.tables``) supplies the rows and keeps the new ones.
 
     Args:
       local_update: from ``engine.client.make_local_update``.
@@ -139,12 +140,8 @@ def make_round(local_update, server_opt: ServerOptimizer, *, num_clients: int,
         The same code runs on one device, several, or several processes; only float
         reassociation in the client mean differs.
       clients_in_parallel: at most this many clients train at once (None: all sampled).
-      host_states: the per-client state table lives in host memory, outside the state; the
-        round then takes the sampled clients' rows and returns their new rows.
-
     Returns:
-      ``run_round(state, data) -> (state, metrics)``, or with ``host_states``
-      ``run_round(state, data, rows) -> (state, metrics, new_rows)`` with ``rows`` the state
+      ``round_rows(state, data, rows) -> (state, metrics, new_rows)`` with ``rows`` the state
       rows of ``sample_clients(state.key, state.round, num_clients, m)`` in that order. Metrics:
       ``loss`` (mean over sampled clients), ``client_loss`` ``[m]``, ``clients`` ``[m]`` and
       the mean of each term the local objective reports.
@@ -164,7 +161,7 @@ def make_round(local_update, server_opt: ServerOptimizer, *, num_clients: int,
         rows, keys, idx, sizes = group
         if jax.tree.leaves(keys)[0].shape[0] == 1:
             # One client at a time: call it unbatched. A vmap of size 1 still turns every
-            # convolution into a batched one (ResNet-18 on XLA:CPU: ~9% slower per step).
+            # convolution into a batched one, slower on XLA:CPU (BENCHMARKS.md).
             one = jax.tree.map(lambda x: x[0], (rows, keys, idx, sizes))
             out = local_update(params, model_state, *one, round_index, data, message)
             return jax.tree.map(lambda x: x[None], out)
@@ -197,7 +194,7 @@ def make_round(local_update, server_opt: ServerOptimizer, *, num_clients: int,
         start = server_opt.start(state.params, state.opt_state)
         return train(start, state.model_state, state.round, data, state.message, xs)
 
-    def round_with_rows(state: ServerState, data: ClientData, rows):
+    def round_rows(state: ServerState, data: ClientData, rows):
         sampled = sample_clients(state.key, state.round, num_clients, m)
         valid = jnp.arange(padded) < m
         clients = jnp.zeros((padded,), jnp.int32).at[:m].set(sampled)  # pads train client 0
@@ -224,17 +221,7 @@ def make_round(local_update, server_opt: ServerOptimizer, *, num_clients: int,
                                   opt_state=opt_state, round=state.round + 1, message=message)
         return new_state, metrics, jax.tree.map(lambda r: r[:m], new_rows)
 
-    if host_states:
-        return round_with_rows
-
-    def run_round(state: ServerState, data: ClientData) -> tuple[ServerState, Metrics]:
-        sampled = sample_clients(state.key, state.round, num_clients, m)
-        rows = jax.tree.map(lambda t: t[sampled], state.client_states)
-        new_state, metrics, new_rows = round_with_rows(state, data, rows)
-        table = jax.tree.map(lambda t, r: t.at[sampled].set(r), state.client_states, new_rows)
-        return new_state.replace(client_states=table), metrics
-
-    return run_round
+    return round_rows
 
 
 def make_run_rounds(run_round, capacity: int):

@@ -4,7 +4,7 @@ After phase 1 the client module is frozen. Every client that does not drop out (
 ``delta``) sends, for each of its samples, ``rho`` draws of two augmented views passed through
 the client module; the server trains the rest of ResNet-18 and a projection head on those
 representation pairs with NT-Xent (SimCLR Eq. 1; MFCL Eq. 7), LARS and a cosine learning rate
-from ``server_lr``, BatchNorm at the server (Motamedi & Kim, MFCL, TMLR; SPEC §7).
+from ``server_lr``, BatchNorm at the server (Motamedi & Kim, MFCL, TMLR).
 
 The representations are computed once, as the clients would send them (``representations``),
 and kept on the device; an epoch of server training is one compiled ``lax.scan`` over its
@@ -107,7 +107,7 @@ def init_server_training(model, key: jax.Array, rep_shape: tuple[int, ...],
                          tx: optax.GradientTransformation) -> ServerTraining:
     """The server model's initial state on representations of shape ``rep_shape``."""
     # Jitted (eagerly every layer's initialiser compiles on its own), and with threefry's
-    # non-partitionable bit layout, as `models.model_fns` initialises (a 2-3x shorter XLA:CPU
+    # non-partitionable bit layout, as `models.model_fns` initialises (a shorter XLA:CPU
     # compile; the same weights on every backend).
     init = jax.jit(lambda k, x: model.init(k, x, train=False))
     with jax.threefry_partitionable(False):

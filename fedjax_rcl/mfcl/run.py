@@ -1,11 +1,11 @@
 """``fedjax-rcl mfcl``: MFCL end to end — phase 1 (federated reconstruction), phase 2 (the
 server's contrastive training on the clients' representations), the linear probe, and the
-resource figures — in one run directory that resumes in either phase (SPEC §7, §9).
+resource figures — in one run directory that resumes in either phase.
 
-Build -> loop -> record, as ``training``: phase 1 is the engine's compiled round
-(``experiment.build`` with ``algorithm=mfcl``, ``model=mfcl_autoencoder``: clients vmapped,
-local steps scanned, one program per round); phase 2 is one compiled program per server epoch
-(``mfcl.phase2``); the probe one more (``mfcl.probe``). The run directory holds
+A program over the shared run loop (``fedjax_rcl.loop``), as ``training`` is: phase 1 is a stage
+of the engine's compiled rounds (``experiment.build`` with ``algorithm=mfcl``,
+``model=mfcl_autoencoder``: clients side by side, local steps scanned); phase 2 a stage of
+server epochs, one compiled program each (``mfcl.phase2``); then the probe (``mfcl.probe``). The run directory holds
 ``config.yaml``, ``metrics.jsonl`` (a line per phase-1 evaluation ``{"phase": 1, "round", ...}``,
 per server epoch ``{"phase": 2, "epoch", ...}`` and the probe's ``{"phase": "probe",
 "linear_probe_accuracy", ...}``), ``checkpoints/phase1`` and ``checkpoints/phase2`` (Orbax) and
@@ -24,19 +24,30 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fedjax_rcl import interrupts, provenance, registry, rundir
+from fedjax_rcl import interrupts, provenance
 from fedjax_rcl.algorithms.mfcl import reconstruction_bce
 from fedjax_rcl.checkpoint import Checkpointer
-from fedjax_rcl.config import ConfigError, CoreConfig, config_digest, to_yaml
+from fedjax_rcl.config import CoreConfig, config_digest, to_yaml
 from fedjax_rcl.data import ImageDataset, load_dataset
 from fedjax_rcl.data.augment import normalize
-from fedjax_rcl.engine.sharding import put_replicated, to_host
+from fedjax_rcl.engine.sharding import to_host
 from fedjax_rcl.experiment import Experiment, build
+from fedjax_rcl.loop import (
+    Sink,
+    Stage,
+    TrainingError,
+    locked_run,
+    new_run,
+    resume_config,
+    run_stage,
+    save_checkpoint,
+)
 from fedjax_rcl.metrics.resources import format_resources, mfcl_resources
 from fedjax_rcl.mfcl import phase2
 from fedjax_rcl.mfcl.probe import linear_probe
 from fedjax_rcl.models.mfcl import ClientModule, ServerModel
 from fedjax_rcl.rundir import atomic_write_text
+from fedjax_rcl.validation import ConfigError
 
 # What ``fedjax-rcl mfcl`` starts from before the YAML file and the overrides: MFCL's phase-1
 # setting (Adam 1e-3, batches of 64 view pairs, 10 clients all taking part, Dirichlet split
@@ -92,7 +103,7 @@ def _batch_dependent(cfg: CoreConfig) -> bool:
     return cfg.norm == "batch" and cfg.mfcl.bn_statistics == "batch"
 
 
-def _encoder(exp: Experiment):
+def client_encoder(exp: Experiment):
     """The frozen client module of a phase-1 model: ``(params, model_state) -> encode(x,
     paired)`` where ``paired`` (a client computing its view pairs) makes Twin Normalization
     take rows i and i + K together and, with ``mfcl.bn_statistics=batch``, BatchNorm use the
@@ -119,69 +130,53 @@ def _encoder(exp: Experiment):
     return make
 
 
-def _append(run_dir: Path, record: dict) -> None:
-    """One ``metrics.jsonl`` line as it comes (never a torn line)."""
-    with interrupts.critical(), open(run_dir / "metrics.jsonl", "a") as f:
-        f.write(json.dumps(record) + "\n")
-        f.flush()
-
-
-def _status(run_dir: Path, where: str) -> None:
-    interrupts.set_status(f"run_dir {run_dir}: last complete checkpoint: {where}; continue "
-                          f"with: fedjax-rcl resume {run_dir}")
-
-
-def _save(ckpt: Checkpointer, run_dir: Path, step: int, tree, meta: dict, where: str) -> None:
-    with interrupts.critical():
-        ckpt.save(step, tree, meta)
-        ckpt.wait()
-    _status(run_dir, where)
-
-
-def _phase1(exp: Experiment, run_dir: Path, state, done: int, log) -> object:
+def _phase1(exp: Experiment, run_dir: Path, state, done: int, sink: Sink, log) -> object:
+    """Phase 1: the engine's federated rounds of the reconstruction objective, through the
+    run loop, evaluated by the test images' reconstruction BCE."""
     cfg = exp.cfg
     ckpt = Checkpointer(run_dir / "checkpoints" / "phase1", keep=cfg.keep_checkpoints)
+
+    def meta(done: int) -> dict:
+        return {"round": done, "config_digest": config_digest(cfg)}
+
     try:
         if done == 0 and not ckpt.steps():
-            _save(ckpt, run_dir, 0, state, {"round": 0, "config_digest": config_digest(cfg)},
-                  "phase 1 round 0")
+            save_checkpoint(ckpt, run_dir, 0, state, meta(0), "phase 1 round 0")
         if done >= cfg.rounds:
             return state
         log("phase 1: compiling the round (clients x local steps, one program)...")
         t0 = time.perf_counter()
-        n_eval = put_replicated(np.int32(cfg.eval_every), exp.mesh)
-        fused = exp.run_rounds.lower(state, exp.data, n_eval).compile()
+        advance_rounds = exp.compile_rounds()
         evaluate = _reconstruction_eval(exp)
         log(f"compiled in {time.perf_counter() - t0:.1f} s")
-        start, first, last_saved = time.perf_counter(), done, done
-        while done < cfg.rounds:
-            n = min(cfg.eval_every - done % cfg.eval_every, cfg.rounds - done)
-            t = time.perf_counter()
-            state, metrics = fused(state, exp.data, put_replicated(np.int32(n), exp.mesh))
-            metrics = {k: np.asarray(v)[:n] for k, v in to_host(metrics).items()}
-            test_bce = float(to_host(evaluate(state.params, state.model_state,
-                                              exp.test))["loss"])
-            done += n
+
+        def advance(state, done, n):
+            state, metrics = advance_rounds(state, n)
+            return state, (metrics, to_host(evaluate(state.params, state.model_state,
+                                                     exp.test)))
+
+        def record(state, out, done, n, block_s, elapsed_s):
+            metrics, ev = out
             train = float(np.mean(metrics["loss"]))
             if not np.isfinite(train):
-                raise ConfigError([f"phase 1: non-finite reconstruction loss at round {done}"])
-            _append(run_dir, {"phase": 1, "round": done, "train_bce": train, "test_bce": test_bce,
-                       "round_s": round((time.perf_counter() - t) / n, 3)})
-            rate = (done - first) / (time.perf_counter() - start)
-            log(f"phase 1 round {done}/{cfg.rounds}  train BCE {train:.4f}  test BCE "
-                f"{test_bce:.4f}  {rate:.2f} rounds/s")
-            if done == cfg.rounds or (cfg.checkpoint_every
-                                      and done - last_saved >= cfg.checkpoint_every):
-                last_saved = done
-                _save(ckpt, run_dir, done, state,
-                      {"round": done, "config_digest": config_digest(cfg)},
-                      f"phase 1 round {done}")
+                raise TrainingError(f"phase 1: non-finite reconstruction loss at round {done}")
+            return {"phase": 1, "round": done, "train_bce": train,
+                    "test_bce": float(ev["loss"]), "round_s": round(block_s / n, 3)}
+
+        stage = Stage(label="phase 1 round", unit="rounds", total=cfg.rounds,
+                      every=cfg.eval_every, checkpoint_every=cfg.checkpoint_every,
+                      advance=advance, record=record,
+                      checkpoint=lambda state, done, line: (state, meta(done)),
+                      checkpointer=ckpt,
+                      describe=lambda r: (f"train BCE {r['train_bce']:.4f}  test BCE "
+                                          f"{r['test_bce']:.4f}"))
+        state, _ = run_stage(stage, state, done, run_dir=run_dir, sink=sink, log=log)
         return state
     finally:
         ckpt.close()
 
 
-def _represent_all(exp: Experiment, encode, pool: np.ndarray, segments: list[int],
+def represent_all(exp: Experiment, encode, pool: np.ndarray, segments: list[int],
                    chunk: int = 250) -> jax.Array:
     """The representation pairs the kept clients send: ``[2P, h, w, c]``, first views then
     second views (row i and row i + P a pair).
@@ -214,7 +209,9 @@ def _represent_all(exp: Experiment, encode, pool: np.ndarray, segments: list[int
     return jnp.concatenate(firsts + seconds)
 
 
-def _phase2(exp: Experiment, run_dir: Path, encode, resuming: bool, log):
+def _phase2(exp: Experiment, run_dir: Path, encode, resuming: bool, sink: Sink, log):
+    """Phase 2: the server's NT-Xent training on the clients' representations, one compiled
+    program per epoch, through the run loop."""
     cfg, m = exp.cfg, exp.cfg.mfcl
     key = jax.random.PRNGKey(cfg.seed)
     kept = phase2.kept_clients(key, cfg.num_clients, m.delta)
@@ -222,7 +219,7 @@ def _phase2(exp: Experiment, run_dir: Path, encode, resuming: bool, log):
     log(f"phase 2: {len(kept)} of {cfg.num_clients} clients send {m.rho} view pair(s) per "
         f"sample: {len(pool)} representation pairs")
     t0 = time.perf_counter()
-    reps = _represent_all(exp, encode, pool, [len(exp.parts[k]) for k in kept] * m.rho)
+    reps = represent_all(exp, encode, pool, [len(exp.parts[k]) for k in kept] * m.rho)
     log(f"representations {tuple(reps.shape)} in {time.perf_counter() - t0:.1f} s")
     batch = min(m.server_batch_size, len(pool))
     steps = len(pool) // batch
@@ -231,6 +228,10 @@ def _phase2(exp: Experiment, run_dir: Path, encode, resuming: bool, log):
     tx = phase2.server_optimizer(m.server_lr, m.server_weight_decay, steps * m.server_epochs)
     state = phase2.init_server_training(model, key, reps.shape[1:], tx)
     ckpt = Checkpointer(run_dir / "checkpoints" / "phase2", keep=cfg.keep_checkpoints)
+
+    def meta(done: int) -> dict:
+        return {"epoch": done, "config_digest": config_digest(cfg)}
+
     try:
         if resuming:
             got = ckpt.restore_latest(state)
@@ -238,8 +239,7 @@ def _phase2(exp: Experiment, run_dir: Path, encode, resuming: bool, log):
                 state = got.state
         done = int(state.epoch)
         if done == 0 and not ckpt.steps():
-            _save(ckpt, run_dir, 0, state, {"epoch": 0, "config_digest": config_digest(cfg)},
-                  "phase 2 epoch 0")
+            save_checkpoint(ckpt, run_dir, 0, state, meta(0), "phase 2 epoch 0")
         if done < m.server_epochs:
             epoch = jax.jit(phase2.make_server_epoch(model, tx, batch_size=batch,
                                                      temperature=m.temperature),
@@ -248,24 +248,24 @@ def _phase2(exp: Experiment, run_dir: Path, encode, resuming: bool, log):
             t = time.perf_counter()
             epoch = epoch.lower(state, reps, key).compile()
             log(f"compiled in {time.perf_counter() - t:.1f} s")
-        start, first = time.perf_counter(), done
-        while done < m.server_epochs:
-            t = time.perf_counter()
-            state, loss = epoch(state, reps, key)
-            loss = float(loss)
-            done += 1
-            if not np.isfinite(loss):
-                raise ConfigError([f"phase 2: non-finite NT-Xent loss at epoch {done}"])
-            _append(run_dir, {"phase": 2, "epoch": done, "server_loss": loss,
-                       "epoch_s": round(time.perf_counter() - t, 3)})
-            rate = (done - first) / (time.perf_counter() - start)
-            log(f"phase 2 epoch {done}/{m.server_epochs}  NT-Xent {loss:.4f}  "
-                f"{rate:.2f} epochs/s")
-            if done == m.server_epochs or (cfg.checkpoint_every
-                                           and done % cfg.checkpoint_every == 0):
-                _save(ckpt, run_dir, done, state,
-                      {"epoch": done, "config_digest": config_digest(cfg)},
-                      f"phase 2 epoch {done}")
+
+            def advance(state, done, n):
+                state, loss = epoch(state, reps, key)
+                return state, float(to_host(loss))
+
+            def record(state, loss, done, n, block_s, elapsed_s):
+                if not np.isfinite(loss):
+                    raise TrainingError(f"phase 2: non-finite NT-Xent loss at epoch {done}")
+                return {"phase": 2, "epoch": done, "server_loss": loss,
+                        "epoch_s": round(block_s, 3)}
+
+            stage = Stage(label="phase 2 epoch", unit="epochs", total=m.server_epochs,
+                          every=1, checkpoint_every=cfg.checkpoint_every, advance=advance,
+                          record=record,
+                          checkpoint=lambda state, done, line: (state, meta(done)),
+                          checkpointer=ckpt,
+                          describe=lambda r: f"NT-Xent {r['server_loss']:.4f}")
+            state, _ = run_stage(stage, state, done, run_dir=run_dir, sink=sink, log=log)
         return model, state
     finally:
         ckpt.close()
@@ -319,16 +319,20 @@ def _describe(exp: Experiment, run_dir: Path) -> str:
 
 
 def _loop(exp: Experiment, run_dir: Path, state, done1: int, phase2_started: bool, log) -> dict:
-    state = _phase1(exp, run_dir, state, done1, log)
-    encode = _encoder(exp)(state.params, state.model_state)
-    model, server = _phase2(exp, run_dir, encode, phase2_started, log)
-    log("linear probe on the frozen features...")
-    probe = _probe(exp, encode, model, server)
-    resources = _resources(exp)
-    with interrupts.critical():
-        atomic_write_text(run_dir / "resources.json", json.dumps(resources, indent=1) + "\n")
-    record = {"phase": "probe", **probe}
-    _append(run_dir, record)
+    sink = Sink(run_dir)
+    try:
+        state = _phase1(exp, run_dir, state, done1, sink, log)
+        encode = client_encoder(exp)(state.params, state.model_state)
+        model, server = _phase2(exp, run_dir, encode, phase2_started, sink, log)
+        log("linear probe on the frozen features...")
+        probe = _probe(exp, encode, model, server)
+        resources = _resources(exp)
+        with interrupts.critical():
+            atomic_write_text(run_dir / "resources.json", json.dumps(resources, indent=1) + "\n")
+        record = {"phase": "probe", **probe}
+        sink.write(record)
+    finally:
+        sink.close()
     log(f"linear probe accuracy {probe['linear_probe_accuracy']:.4f} (train "
         f"{probe['linear_probe_train_accuracy']:.4f})")
     log(format_resources(resources))
@@ -340,16 +344,12 @@ def run_mfcl(cfg: CoreConfig, *, dataset: ImageDataset | None = None,
     """Runs MFCL from scratch (``cfg.algorithm == "mfcl"``); returns the probe's record."""
     if cfg.algorithm != "mfcl":
         raise ConfigError([f"algorithm={cfg.algorithm!r}: the mfcl command runs algorithm=mfcl"])
-    run_dir = rundir.resolve_new(cfg)
-    log(f"loading data: {cfg.dataset} ...")
-    exp = build(cfg, mfcl_dataset(cfg, dataset))
-    run_dir = rundir.create_new(cfg, run_dir)
-    with rundir.locked(run_dir, new_run=True):
-        interrupts.set_status(f"run_dir {run_dir}: no complete checkpoint yet; continue "
-                              f"with: fedjax-rcl resume {run_dir}")
-        with interrupts.critical():
-            atomic_write_text(run_dir / "config.yaml", to_yaml(cfg))
-        provenance.record(run_dir, command, 0)
+
+    def prepare() -> Experiment:
+        log(f"loading data: {cfg.dataset} ...")
+        return build(cfg, mfcl_dataset(cfg, dataset))
+
+    with new_run(cfg, prepare, command=command) as (run_dir, exp):
         log(_describe(exp, run_dir))
         return _loop(exp, run_dir, exp.state, 0, False, log)
 
@@ -372,41 +372,47 @@ def _trim_metrics(path: Path, done1: int, done2: int) -> None:
 
 
 def resume_mfcl(run_dir: Path, cfg: CoreConfig, *, force: bool = False,
-                dataset: ImageDataset | None = None, log: Callable[[str], None] = print,
-                command: str | None = None) -> dict:
+                dataset: ImageDataset | None = None, progress: bool = True,
+                log: Callable[[str], None] = print, command: str | None = None) -> dict:
     """Continues an MFCL run in whichever phase it stopped; identical to an uninterrupted
-    run (called by ``training.resume`` for runs whose algorithm is ``mfcl``)."""
-    log(f"loading data: {cfg.dataset} ...")
-    exp = build(cfg, mfcl_dataset(cfg, dataset))
-    ckpt = Checkpointer(run_dir / "checkpoints" / "phase1", keep=cfg.keep_checkpoints)
-    try:
-        restored = ckpt.restore_latest(exp.state)
-    finally:
-        ckpt.close()
-    state, done1 = (exp.state, 0) if restored is None else (restored.state, restored.step)
-    if (restored is not None and restored.meta.get("config_digest") != config_digest(cfg)
-            and not force):
-        raise ConfigError([f"resume: the checkpoint in {run_dir} was written with a different "
-                           "config than config.yaml now holds"])
-    p2 = Checkpointer(run_dir / "checkpoints" / "phase2", keep=cfg.keep_checkpoints)
-    try:
-        steps2 = p2.steps()
-    finally:
-        p2.close()
-    started2 = done1 >= cfg.rounds and bool(steps2)
-    done2 = steps2[-1] if started2 else 0
-    with interrupts.critical():
-        _trim_metrics(run_dir / "metrics.jsonl", done1, done2)
-        (run_dir / "resources.json").unlink(missing_ok=True)
-    where = f"phase 2 epoch {done2}" if started2 else f"phase 1 round {done1}"
-    provenance.record(run_dir, command, done1)
-    _status(run_dir, where)
-    log(_describe(exp, run_dir))
-    log(f"resuming from the checkpoint of {where}")
-    return _loop(exp, run_dir, state, done1, started2, log)
+    run. ``cfg`` is the run's config as ``loop.resume_config`` checked it."""
+    del progress  # MFCL prints a line per evaluation
+    run_dir = Path(run_dir)
+    with locked_run(run_dir):
+        with interrupts.critical():
+            atomic_write_text(run_dir / "config.yaml", to_yaml(cfg))
+        log(f"loading data: {cfg.dataset} ...")
+        exp = build(cfg, mfcl_dataset(cfg, dataset))
+        ckpt = Checkpointer(run_dir / "checkpoints" / "phase1", keep=cfg.keep_checkpoints)
+        try:
+            restored = ckpt.restore_latest(exp.state)
+        finally:
+            ckpt.close()
+        state, done1 = (exp.state, 0) if restored is None else (restored.state, restored.step)
+        if (restored is not None and restored.meta.get("config_digest") != config_digest(cfg)
+                and not force):
+            raise ConfigError([f"resume: the checkpoint in {run_dir} was written with a "
+                               "different config than config.yaml now holds"])
+        p2 = Checkpointer(run_dir / "checkpoints" / "phase2", keep=cfg.keep_checkpoints)
+        try:
+            steps2 = p2.steps()
+        finally:
+            p2.close()
+        started2 = done1 >= cfg.rounds and bool(steps2)
+        done2 = steps2[-1] if started2 else 0
+        with interrupts.critical():
+            _trim_metrics(run_dir / "metrics.jsonl", done1, done2)
+            (run_dir / "resources.json").unlink(missing_ok=True)
+        provenance.record(run_dir, command, done1)
+        where = f"phase 2 epoch {done2}" if started2 else f"phase 1 round {done1}"
+        interrupts.resume_status(run_dir, where)
+        log(_describe(exp, run_dir))
+        log(f"resuming from the checkpoint of {where}")
+        return _loop(exp, run_dir, state, done1, started2, log)
 
 
-def is_mfcl(cfg: CoreConfig) -> bool:
-    """Whether the config's algorithm runs with the ``mfcl`` command."""
-    entry = registry.ALGORITHMS.get(cfg.algorithm)
-    return entry is not None and entry.command == "mfcl"
+def resume(run_dir: str | Path, overrides=(), *, force: bool = False, **kwargs) -> dict:
+    """``resume_mfcl`` with the run's config read and checked (``loop.resume_config``)."""
+    run_dir = Path(run_dir)
+    return resume_mfcl(run_dir, resume_config(run_dir, overrides, force=force), force=force,
+                       **kwargs)

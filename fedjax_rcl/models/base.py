@@ -21,7 +21,7 @@ class ModelOutput(NamedTuple):
     Attributes:
       logits: ``[B, num_classes]``.
       features: the multi-level features, each pre-ReLU and spatially mean-pooled to ``[B, C_l]``,
-        from the earliest level to the last (FedRCL's levels, SPEC §5). Logits are not a level.
+        from the earliest level to the last (FedRCL's levels). Logits are not a level.
       embedding: ``[B, D]``, the representation the classifier reads (after the last ReLU and the
         global pool).
       projection: ``[B, P]`` from the projection head (MOON), or None when the model has none.
@@ -84,7 +84,8 @@ def model_fns(module: nn.Module, *, partitionable_init: bool = False) -> ModelFn
     """Wraps a module whose ``__call__(x, *, train)`` returns a ``ModelOutput``.
 
     ``partitionable_init``: draw the initial weights with threefry's partitionable layout
-    (JAX's default; the config's ``init_threefry_partitionable``), as runs before 84cb623 did.
+    (JAX's default; the config's ``init_threefry_partitionable``), as the project's earliest
+    runs did.
     """
 
     # Jitted: run eagerly, every layer's initialiser would compile on its own (seconds).
@@ -92,10 +93,9 @@ def model_fns(module: nn.Module, *, partitionable_init: bool = False) -> ModelFn
 
     def init(key, sample):
         # Initial weights come from threefry's original, non-partitionable bit layout: the
-        # same weights for a seed on every backend (as with JAX's default), and an XLA:CPU
-        # compile 2-3x shorter, because the partitionable layout (JAX's default since 0.5)
-        # hashes a counter shaped like every parameter (measured, 2-core AVX2 EPYC: ResNet-18
-        # width 16 3.8 s vs 9.8 s, MOON's CNN 2.5 s vs 5.8 s). Set around the call, not inside
+        # same weights for a seed on every backend (as with JAX's default), and a much shorter
+        # XLA:CPU compile, because the partitionable layout (JAX's default since 0.5) hashes a
+        # counter shaped like every parameter (BENCHMARKS.md). Set around the call, not inside
         # the traced function, because random bits are lowered after tracing. Initialisation
         # only: training's randomness (sampling, augmentation, dropout) keeps JAX's default.
         with jax.threefry_partitionable(partitionable_init):

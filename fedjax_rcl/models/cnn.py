@@ -10,7 +10,8 @@ from __future__ import annotations
 import flax.linen as nn
 import jax
 
-from fedjax_rcl.models.base import ModelOutput, ProjectionHead, spatial_mean
+from fedjax_rcl.models.base import ModelOutput
+from fedjax_rcl.models.parts import head
 from fedjax_rcl.nn.conv import torch_conv, torch_dense
 from fedjax_rcl.nn.pool import max_pool
 from fedjax_rcl.registry import register_model
@@ -51,11 +52,8 @@ class SmallCNN(nn.Module):
             levels.append(x)
             x = nn.relu(x)
             blocks.append(x)
-        logits = torch_dense(x.shape[-1], self.num_classes, name="head")(x)
-        z = None
-        if self.projection_dim:
-            z = ProjectionHead(self.projection_dim, name="projection")(x)
-        return ModelOutput(logits, tuple(spatial_mean(f) for f in levels), x, z, tuple(blocks))
+        return head(x, levels, blocks, num_classes=self.num_classes,
+                    projection_dim=self.projection_dim)
 
 
 def _build(num_classes, *, conv_impl="auto", norm="group", width=None, projection_dim=None):

@@ -21,8 +21,9 @@ from __future__ import annotations
 import flax.linen as nn
 import jax
 
-from fedjax_rcl.models.base import ModelOutput, ProjectionHead, spatial_mean
-from fedjax_rcl.nn.conv import torch_conv, torch_dense
+from fedjax_rcl.models.base import ModelOutput
+from fedjax_rcl.models.parts import head, stem
+from fedjax_rcl.nn.conv import torch_conv
 from fedjax_rcl.nn.norm import Norm
 from fedjax_rcl.registry import register_model
 
@@ -67,12 +68,8 @@ class MobileNetV2(nn.Module):
         stem, then stages 1-6) on ``ModelOutput.blocks[k - 1]`` (FedMLB)."""
         levels, blocks = [], []
         if start == 0:
-            x = torch_conv(x.shape[-1], 32, 1, padding=1, conv_impl=self.conv_impl,
-                           name="stem_conv")(x)
-            x = Norm(self.norm, name="stem_norm")(x, train=train)
-            levels.append(x)
-            x = nn.relu6(x)
-            blocks.append(x)
+            x = stem(x, 32, norm=self.norm, conv_impl=self.conv_impl, train=train,
+                     levels=levels, blocks=blocks, kernel_size=1, activation=nn.relu6)
         for s, (repeats, out, stride, t) in enumerate(STAGES):
             if s + 1 < start:
                 continue
@@ -84,12 +81,8 @@ class MobileNetV2(nn.Module):
                 blocks.append(x)
         x = torch_conv(x.shape[-1], 1280, 1, conv_impl=self.conv_impl, name="head_conv")(x)
         x = nn.relu6(Norm(self.norm, name="head_norm")(x, train=train))
-        embedding = x.mean(axis=(1, 2))
-        logits = torch_dense(1280, self.num_classes, name="head")(embedding)
-        z = (ProjectionHead(self.projection_dim, name="projection")(embedding)
-             if self.projection_dim else None)
-        return ModelOutput(logits, tuple(spatial_mean(f) for f in levels), embedding, z,
-                           tuple(blocks))
+        return head(x.mean(axis=(1, 2)), levels, blocks, num_classes=self.num_classes,
+                    projection_dim=self.projection_dim)
 
 
 def _build(num_classes, *, conv_impl="auto", norm="group", width=None, projection_dim=None):

@@ -8,8 +8,8 @@ conv3x3(C->32, valid) -> ReLU -> conv3x3(32->64, valid) -> ReLU -> maxpool2 -> d
 ``"dropout"`` key the engine passes every local step, one random byte per element
 (``fedjax_rcl.nn.dropout``). On a CPU clients train one after another
 (``one_client_at_a_time_on_cpu``): a client's 6.5 MB of weights, most of them the dense layer's,
-then stay in cache through its steps, and the pfl workload's training round took 2.16 s instead
-of 3.18 s vmapped over its 50 clients (Intel AVX-512, 2 cores; BENCHMARKS.md).
+then stay in cache through its steps, where 50 vmapped clients' weights do not (BENCHMARKS.md,
+the pfl workload).
 Levels (pre-ReLU): the two conv outputs and the hidden dense output. Blocks (FedMLB): conv1,
 conv2 + pool, dense 128.
 """
@@ -19,7 +19,8 @@ from __future__ import annotations
 import flax.linen as nn
 import jax
 
-from fedjax_rcl.models.base import ModelOutput, ProjectionHead, spatial_mean
+from fedjax_rcl.models.base import ModelOutput
+from fedjax_rcl.models.parts import head
 from fedjax_rcl.nn.conv import torch_conv, torch_dense
 from fedjax_rcl.nn.dropout import Dropout
 from fedjax_rcl.nn.pool import max_pool
@@ -63,14 +64,9 @@ class PflCNN(nn.Module):
             levels.append(x)
             x = nn.relu(x)
             blocks.append(x)
-        embedding = x
-        x = Dropout(self.dropout[1], deterministic=not train)(x)
-        logits = torch_dense(x.shape[-1], self.num_classes, name="head")(x)
-        z = None
-        if self.projection_dim:
-            z = ProjectionHead(self.projection_dim, name="projection")(embedding)
-        return ModelOutput(logits, tuple(spatial_mean(f) for f in levels), embedding, z,
-                           tuple(blocks))
+        dropped = Dropout(self.dropout[1], deterministic=not train)(x)
+        return head(x, levels, blocks, num_classes=self.num_classes,
+                    projection_dim=self.projection_dim, logits_from=dropped)
 
 
 def _build(num_classes, *, conv_impl="auto", norm="group", width=None, projection_dim=None):

@@ -1,4 +1,4 @@
-"""CIFAR ResNets with GroupNorm, as FedRCL's reference ``ResNet18_base`` (SPEC §4).
+"""CIFAR ResNets with GroupNorm, as FedRCL's reference ``ResNet18_base``.
 
 Stem conv3x3(3->64, stride 1, pad 1, no bias) -> GN -> [level 0] -> ReLU; four stages of two
 BasicBlocks (widths 64/128/256/512, first-block strides 1/2/2/2); each stage's last block output
@@ -14,7 +14,7 @@ The same structure at CPU scale: ``width`` scales every stage (``width=16``: 16/
 channels, 1/16 of the multiply-adds) and ``resnet10`` keeps one BasicBlock per stage. Both keep
 what FedRCL's multi-level loss depends on -- a GroupNorm stem level and four residual stage
 levels, pre-ReLU -- which MOON's small CNN lacks (its conv1 level has 6 channels and no
-normalization; FedRCL collapses it, SPEC §4).
+normalization; FedRCL collapses it).
 """
 
 from __future__ import annotations
@@ -22,8 +22,9 @@ from __future__ import annotations
 import flax.linen as nn
 import jax
 
-from fedjax_rcl.models.base import ModelOutput, ProjectionHead, spatial_mean
-from fedjax_rcl.nn.conv import torch_conv, torch_dense
+from fedjax_rcl.models.base import ModelOutput
+from fedjax_rcl.models.parts import head, stem
+from fedjax_rcl.nn.conv import torch_conv
 from fedjax_rcl.nn.norm import Norm
 from fedjax_rcl.registry import register_model
 
@@ -111,12 +112,8 @@ class ResNet(nn.Module):
         """
         levels, blocks = [], []
         if start == 0:
-            x = torch_conv(x.shape[-1], self.widths[0], 3, padding=1, use_bias=False,
-                           conv_impl=self.conv_impl, name="stem_conv")(x)
-            x = Norm(self.norm, name="stem_norm")(x, train=train)
-            levels.append(x)
-            x = nn.relu(x)
-            blocks.append(x)
+            x = stem(x, self.widths[0], norm=self.norm, conv_impl=self.conv_impl, train=train,
+                     levels=levels, blocks=blocks, use_bias=False)
         for s, (n_blocks, width) in enumerate(zip(self.stage_sizes, self.widths, strict=True)):
             if s + 1 < start:  # stage s is block s + 1
                 continue
@@ -129,12 +126,8 @@ class ResNet(nn.Module):
                     levels.append(x)
                 x = nn.relu(x)
             blocks.append(x)
-        embedding = x.mean(axis=(1, 2))
-        logits = torch_dense(embedding.shape[-1], self.num_classes, name="head")(embedding)
-        z = (ProjectionHead(self.projection_dim, name="projection")(embedding)
-             if self.projection_dim else None)
-        return ModelOutput(logits, tuple(spatial_mean(f) for f in levels), embedding, z,
-                           tuple(blocks))
+        return head(x.mean(axis=(1, 2)), levels, blocks, num_classes=self.num_classes,
+                    projection_dim=self.projection_dim)
 
 
 def stage_widths(width: int) -> tuple[int, ...]:
@@ -172,8 +165,8 @@ def _builder(make):
 
 for _name, _make in (("resnet10", resnet10), ("resnet18", resnet18), ("resnet34", resnet34),
                      ("resnet50", resnet50)):
-    # Levels: the stem's normalised output and each stage's output (SPEC §4). Blocks (FedMLB):
-    # the stem and the four stages, as the FedMLB authors cut ResNet-18.
+    # Levels: the stem's normalised output and each stage's output (FedRCL's five levels).
+    # Blocks (FedMLB): the stem and the four stages, as the FedMLB authors cut ResNet-18.
     register_model(_name, _builder(_make), num_levels=5, norms=("group", "batch", "twin"),
                    width=True, one_client_at_a_time_on_cpu=True, num_blocks=5,
                    one_client_at_a_time_on_gpu=True)

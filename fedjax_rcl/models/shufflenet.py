@@ -13,7 +13,7 @@ grouped convolution never applies: every unit's first 1x1 is grouped). 925,618 p
 10 classes.
 
 Levels (FedRCL): the stem's normalised output and each stage's output before its final ReLU
-(after the add or concatenation), the SPEC's rule as for the ResNets (the reference takes them
+(after the add or concatenation), the rule of the ResNets (the reference takes them
 after the ReLU). Blocks (FedMLB): the stem and the three stages, after their ReLU.
 """
 
@@ -23,8 +23,9 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from fedjax_rcl.models.base import ModelOutput, ProjectionHead, spatial_mean
-from fedjax_rcl.nn.conv import torch_conv, torch_dense
+from fedjax_rcl.models.base import ModelOutput
+from fedjax_rcl.models.parts import head, stem
+from fedjax_rcl.nn.conv import torch_conv
 from fedjax_rcl.nn.norm import Norm
 from fedjax_rcl.registry import register_model
 
@@ -90,12 +91,8 @@ class ShuffleNet(nn.Module):
         stem, then stages 1-3) on ``ModelOutput.blocks[k - 1]`` (FedMLB)."""
         levels, blocks = [], []
         if start == 0:
-            x = torch_conv(x.shape[-1], 24, 3, padding=1, conv_impl=self.conv_impl,
-                           name="stem_conv")(x)
-            x = Norm(self.norm, name="stem_norm")(x, train=train)
-            levels.append(x)
-            x = nn.relu(x)
-            blocks.append(x)
+            x = stem(x, 24, norm=self.norm, conv_impl=self.conv_impl, train=train,
+                     levels=levels, blocks=blocks)
         for s, (units, out) in enumerate(STAGES):
             if s + 1 < start:
                 continue
@@ -106,12 +103,8 @@ class ShuffleNet(nn.Module):
                     levels.append(x)
                 x = nn.relu(x)
             blocks.append(x)
-        embedding = x.mean(axis=(1, 2))
-        logits = torch_dense(embedding.shape[-1], self.num_classes, name="head")(embedding)
-        z = (ProjectionHead(self.projection_dim, name="projection")(embedding)
-             if self.projection_dim else None)
-        return ModelOutput(logits, tuple(spatial_mean(f) for f in levels), embedding, z,
-                           tuple(blocks))
+        return head(x.mean(axis=(1, 2)), levels, blocks, num_classes=self.num_classes,
+                    projection_dim=self.projection_dim)
 
 
 def _build(num_classes, *, conv_impl="auto", norm="group", width=None, projection_dim=None):

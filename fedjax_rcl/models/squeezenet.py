@@ -22,8 +22,9 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from fedjax_rcl.models.base import ModelOutput, ProjectionHead, spatial_mean
-from fedjax_rcl.nn.conv import torch_conv, torch_dense
+from fedjax_rcl.models.base import ModelOutput
+from fedjax_rcl.models.parts import head, stem
+from fedjax_rcl.nn.conv import torch_conv
 from fedjax_rcl.nn.norm import Norm
 from fedjax_rcl.nn.pool import max_pool
 from fedjax_rcl.registry import register_model
@@ -69,12 +70,8 @@ class SqueezeNet(nn.Module):
         stem, then fire2-fire8) on ``ModelOutput.blocks[k - 1]`` (FedMLB)."""
         levels, blocks = [], []
         if start == 0:
-            x = torch_conv(x.shape[-1], 96, 3, padding=1, conv_impl=self.conv_impl,
-                           name="stem_conv")(x)
-            x = Norm(self.norm, name="stem_norm")(x, train=train)
-            levels.append(x)
-            x = max_pool(nn.relu(x), 2)
-            blocks.append(x)
+            x = stem(x, 96, norm=self.norm, conv_impl=self.conv_impl, train=train,
+                     levels=levels, blocks=blocks, pool=lambda h: max_pool(h, 2))
         for i, (out, squeeze, bypass, pool) in enumerate(FIRES):
             if i + 1 < start:
                 continue
@@ -85,12 +82,8 @@ class SqueezeNet(nn.Module):
             if i + 1 < len(FIRES):  # fire9 feeds the classifier, as the reference
                 levels.append(x)
                 blocks.append(x)
-        embedding = x.mean(axis=(1, 2))
-        logits = torch_dense(embedding.shape[-1], self.num_classes, name="head")(embedding)
-        z = (ProjectionHead(self.projection_dim, name="projection")(embedding)
-             if self.projection_dim else None)
-        return ModelOutput(logits, tuple(spatial_mean(f) for f in levels), embedding, z,
-                           tuple(blocks))
+        return head(x.mean(axis=(1, 2)), levels, blocks, num_classes=self.num_classes,
+                    projection_dim=self.projection_dim)
 
 
 def _build(num_classes, *, conv_impl="auto", norm="group", width=None, projection_dim=None):

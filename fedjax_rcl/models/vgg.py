@@ -9,7 +9,7 @@ reference; dense layers as PyTorch's default. 3,493,258 parameters for 10 classe
 
 Levels (FedRCL): the six conv layers' normalised outputs, before the ReLU -- VGG has no stages,
 so each layer is a level, as the reference's six ``layer`` outputs (which it takes after the
-ReLU/pool; pre-ReLU keeps the SPEC's rule for every model here). Blocks (FedMLB): the six
+ReLU/pool; pre-ReLU keeps one rule for every model here). Blocks (FedMLB): the six
 layers' outputs after ReLU and pool.
 """
 
@@ -18,7 +18,8 @@ from __future__ import annotations
 import flax.linen as nn
 import jax
 
-from fedjax_rcl.models.base import ModelOutput, ProjectionHead, spatial_mean
+from fedjax_rcl.models.base import ModelOutput
+from fedjax_rcl.models.parts import head
 from fedjax_rcl.nn.conv import torch_conv, torch_dense
 from fedjax_rcl.nn.norm import Norm
 from fedjax_rcl.nn.pool import max_pool
@@ -71,10 +72,8 @@ class VGG9(nn.Module):
         x = adaptive_avg_pool(x, 4).reshape(x.shape[0], -1)
         x = nn.relu(torch_dense(x.shape[-1], 512, name="fc1")(x))
         x = nn.relu(torch_dense(512, 512, name="fc2")(x))
-        logits = torch_dense(512, self.num_classes, name="head")(x)
-        z = ProjectionHead(self.projection_dim, name="projection")(x) if self.projection_dim \
-            else None
-        return ModelOutput(logits, tuple(spatial_mean(f) for f in levels), x, z, tuple(blocks))
+        return head(x, levels, blocks, num_classes=self.num_classes,
+                    projection_dim=self.projection_dim)
 
 
 def _build(num_classes, *, conv_impl="auto", norm="group", width=None, projection_dim=None):

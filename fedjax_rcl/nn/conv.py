@@ -5,13 +5,13 @@ through its ``conv_general_dilated=`` argument; ``conv_impl`` picks one (``resol
 
 Why more than XLA's native convolution: on XLA:CPU, ``lax.conv_general_dilated`` inside
 ``lax.scan`` runs its weight-gradient convolutions through a slow generic path (jax-ml/jax#12868),
-and under ``vmap`` over a client axis of parameters it becomes a grouped convolution that is
-4-5x slower per client. On CPU (``"cpu"``, the default there):
+and under ``vmap`` over a client axis of parameters it becomes a grouped convolution, several
+times slower per client (BENCHMARKS.md). On CPU (``"cpu"``, the default there):
 
 - ``onednn_conv_general_dilated``: oneDNN's direct kernels (the library behind PyTorch's CPU
   convolutions) for the forward pass and both gradients, called through XLA's FFI
-  (``fedjax_rcl.nn.onednn``). Fastest everywhere it was measured: 2x the patch convolution on a
-  ResNet-18 step and the row convolution on MOON's CNN round (benchmarks/HISTORY.md).
+  (``fedjax_rcl.nn.onednn``), the fastest of the three on every CPU and model measured
+  (BENCHMARKS.md).
 - Without the oneDNN extension, exact matmul formulations that XLA runs well: ``k*k`` shifted
   strided slices concatenated along channels ("patches") times the kernel, or, for layers with
   few input channels, whole image rows times a banded weight matrix (``rows``,
@@ -166,8 +166,9 @@ def _patch_conv_bwd(strides, padding, precision, preferred_element_type, residua
     """Hand-written gradient. Autodiff's input gradient is col2im: ``g @ w^T`` expanded to
     ``k_h k_w`` patches, each padded back to the input's size and summed. XLA:CPU fuses that
     sum with whatever gradient arrives at the same tensor into one slow transposing loop (with
-    FedRCL's feature-level losses, +25% on a ResNet-18 step). For stride 1 the input gradient is
-    instead the convolution of ``g`` with the flipped, in/out-swapped kernel, done as patches.
+    FedRCL's feature-level losses, a ResNet-18 step is markedly slower; BENCHMARKS.md). For
+    stride 1 the input gradient is instead the convolution of ``g`` with the flipped,
+    in/out-swapped kernel, done as patches.
     """
     patches, w, x = residuals
     kh, kw, cin, cout = w.shape
@@ -280,8 +281,8 @@ def row_conv_general_dilated(
     The banded matrix ``T`` is built from the kernel by one small einsum with a constant 0/1
     selector, so gradients flow back to ``w`` through it. Why: with few input channels, the
     patch convolution's ``k_h k_w`` strided copies have a minor dimension of ``C_in`` floats and
-    XLA:CPU copies them slowly (MOON's conv1: 25 copies with 3-channel rows, ~4 ms of a ~9 ms
-    step), and its matmul has only ``C_out`` columns. Here the only copies are ``k_h`` slices of
+    XLA:CPU copies them slowly (MOON's conv1: 25 copies with 3-channel rows, most of its step's
+    time), and its matmul has only ``C_out`` columns. Here the only copies are ``k_h`` slices of
     whole rows and the matmul has ``W_out * C_out`` columns; the price is ``W_pad / k_w`` times
     the multiply-adds (zeros of the band), so it only pays for narrow inputs (see
     ``cpu_conv_general_dilated``). Same arguments and support as ``patch_conv_general_dilated``.
@@ -309,9 +310,9 @@ def prefers_rows(input_shape: Sequence[int], kernel_shape: Sequence[int],
     """The CPU rule without oneDNN: rows for few input channels, when the band wastes at most
     8x the work.
 
-    Measured on 2 CPU cores (benchmarks/HISTORY.md): rows win for MOON's conv1 (3->6 channels,
-    32 wide, 6.4x the multiply-adds) and conv2 (6->16, 14 wide, 2.8x), and lose for ResNet's
-    3->64 stem (34 wide, 11x) and every layer with 64+ input channels.
+    The bound separates the layers measured (BENCHMARKS.md): rows win for MOON's conv1 (3->6
+    channels, 32 wide, 6.4x the multiply-adds) and conv2 (6->16, 14 wide, 2.8x), and lose for
+    ResNet's 3->64 stem (34 wide, 11x) and every layer with 64+ input channels.
     """
     kh, kw, cin, _ = kernel_shape
     if isinstance(padding, str):

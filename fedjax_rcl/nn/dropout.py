@@ -7,15 +7,15 @@ overfitting", JMLR 2014), as ``flax.linen.Dropout`` computes it::
 
 ``flax.linen.Dropout`` draws ``m`` with ``jax.random.bernoulli``: one 32-bit random word per
 element. On XLA:CPU generating the words is the cost: pfl's CNN at batch 10 drops 125,440
-activations per step, and drawing its masks alone took 0.23 s per 250 steps (one training
-round of the pfl workload, 2.2 s in all) on an Intel AVX-512 machine, 2 cores. When
+activations per step, and drawing their masks was a tenth of the pfl workload's training
+round (BENCHMARKS.md). When
 ``p * 256`` is an integer (every rate in the models here: 0.25, 0.5), an element only needs
 one random byte ``u``, uniform on ``{0..255}``:
 
     m = [u >= 256 p],   P(m = 1) = (256 - 256 p) / 256 = 1 - p   exactly,
 
-so the mask is drawn from ``ceil(n / 4)`` words, each split into four bytes: 0.058 s per 250
-steps. Other rates fall back to ``jax.random.bernoulli``. The mask is a different function
+so the mask is drawn from ``ceil(n / 4)`` words, each split into four bytes: a quarter of the
+random bits. Other rates fall back to ``jax.random.bernoulli``. The mask is a different function
 of the key than Flax's, so the same key drops other elements than ``flax.linen.Dropout`` would.
 """
 

@@ -1,7 +1,7 @@
 """Max-pooling over non-overlapping windows as a reshape and a max.
 
 ``flax.linen.max_pool`` is ``lax.reduce_window``, whose gradient is ``select_and_scatter``: on
-XLA:CPU the pair cost about 1.5 ms of a 5.5 ms MOON-CNN client step (batch 50). When the stride
+XLA:CPU the pair is a large part of a MOON-CNN client step (BENCHMARKS.md). When the stride
 equals the window, the windows tile the image, and ``reshape + max`` is the same function with a
 cheap gradient (an equality mask). On ties the gradient is split equally among the maxima instead
 of going to the first one as in ``torch.nn.MaxPool2d``; after a ReLU the only ties are all-zero

@@ -1,4 +1,4 @@
-"""Aggregation of client models: a weighted mean over the client axis (SPEC §3 step 5)."""
+"""Aggregation of client models: a weighted mean over the client axis (step 5 of the round)."""
 
 from __future__ import annotations
 

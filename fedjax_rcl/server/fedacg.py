@@ -1,7 +1,7 @@
 """FedACG: the server broadcasts a look-ahead model and clients stay near it.
 
 Kim, Kim, Han, "Communication-Efficient Federated Learning with Accelerated Client Gradient",
-CVPR 2024 (arXiv 2201.03172). With server momentum ``m`` (SPEC §6):
+CVPR 2024 (arXiv 2201.03172). With server momentum ``m``:
 
 .. math::
     \\tilde\\theta = \\theta + \\lambda m \\ \\text{(broadcast)}, \\qquad
@@ -23,10 +23,11 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import optax
+from optax import tree_utils as otu
 
 from fedjax_rcl import registry
-from fedjax_rcl.algorithms.fedprox import squared_distance
 from fedjax_rcl.server.optimizers import ServerOptimizer
+from fedjax_rcl.validation import finite
 
 
 class LastUpdateState(NamedTuple):
@@ -57,7 +58,8 @@ def fedacg(lr: float = 1.0, *, lookahead: float = 0.85, beta: float = 0.001) -> 
         return jax.tree.map(lambda p, x: p + lookahead * x, params, m)
 
     def client_penalty(params, start):
-        return beta * squared_distance(params, jax.lax.stop_gradient(start))
+        return beta * otu.tree_norm(otu.tree_sub(params, jax.lax.stop_gradient(start)),
+                                    squared=True)
 
     return ServerOptimizer(tx, client_start=client_start, client_penalty=client_penalty,
                            penalty_name="acg")
@@ -65,14 +67,17 @@ def fedacg(lr: float = 1.0, *, lookahead: float = 0.85, beta: float = 0.001) -> 
 
 @dataclasses.dataclass
 class FedACGConfig:
-    """``server.optimizer=fedacg``: look-ahead lambda and client regulariser beta."""
+    """``server.optimizer=fedacg``.
+
+    Attributes:
+      lookahead: lambda: clients start from ``theta + lambda m``.
+      beta: the weight of the clients' ``||w - look-ahead||^2`` term.
+    """
 
     lookahead: float = 0.85
     beta: float = 0.001
 
     def check(self, ctx) -> list[str]:
-        from fedjax_rcl.config import finite
-
         del ctx
         p = []
         if not (finite(self.lookahead) and 0 <= self.lookahead < 1):

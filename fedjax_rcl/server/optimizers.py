@@ -1,4 +1,4 @@
-"""Server optimizers as optax transformations of the pseudo-gradient (SPEC §6).
+"""Server optimizers as optax transformations of the pseudo-gradient.
 
 The engine hands the server optimizer the pseudo-gradient
 
@@ -21,10 +21,11 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import optax
+from optax import tree_utils as otu
 
 from fedjax_rcl import registry
-from fedjax_rcl.config import finite
 from fedjax_rcl.types import Params
+from fedjax_rcl.validation import finite
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,13 +92,12 @@ def scale_by_fedadam(b1: float = 0.9, b2: float = 0.99,
     """
 
     def init(params):
-        return FedAdamState(jax.tree.map(jnp.zeros_like, params),
-                            jax.tree.map(lambda p: jnp.full_like(p, tau * tau), params))
+        return FedAdamState(otu.tree_zeros_like(params), otu.tree_full_like(params, tau * tau))
 
     def update(updates, state, params=None):
         del params
-        mu = jax.tree.map(lambda m, g: b1 * m + (1 - b1) * g, state.mu, updates)
-        nu = jax.tree.map(lambda v, g: b2 * v + (1 - b2) * g * g, state.nu, updates)
+        mu = otu.tree_update_moment(updates, state.mu, b1, 1)
+        nu = otu.tree_update_moment_per_elem_norm(updates, state.nu, b2, 2)
         out = jax.tree.map(lambda m, v: m / (jnp.sqrt(v) + tau), mu, nu)
         return out, FedAdamState(mu, nu)
 
@@ -120,7 +120,11 @@ def fedadam(lr: float = 0.01, *, b1: float = 0.9, b2: float = 0.99,
 
 @dataclasses.dataclass
 class FedAvgMConfig:
-    """``server.optimizer=fedavgm``: momentum (FedRCL's tables: 0.4)."""
+    """``server.optimizer=fedavgm``.
+
+    Attributes:
+      beta: the server momentum (FedRCL's tables: 0.4).
+    """
 
     beta: float = 0.4
 
@@ -132,7 +136,13 @@ class FedAvgMConfig:
 
 @dataclasses.dataclass
 class FedAdamConfig:
-    """``server.optimizer=fedadam``: moment decays and the adaptivity tau (no bias correction)."""
+    """``server.optimizer=fedadam`` (no bias correction).
+
+    Attributes:
+      b1: the decay of the first moment.
+      b2: the decay of the second moment.
+      tau: the adaptivity (added to the root of the second moment, which starts at tau^2).
+    """
 
     b1: float = 0.9
     b2: float = 0.99

@@ -1,0 +1,206 @@
+"""Where the per-client state table lives, as a strategy the round, the loop and the analysis
+call through.
+
+Algorithms with per-client state (MOON: each client's previous local model) keep a table with
+one row per client, leaves ``[num_clients, ...]``. The round itself never sees the table: it
+takes the sampled clients' rows and returns their new rows (``engine.round.make_round``). A
+table strategy decides where the rows come from:
+
+* ``DeviceTable`` (``client_states=device``, the default): the table is a field of the
+  ``ServerState`` on the device; rows are gathered and scattered inside the compiled program,
+  and the rounds between two evaluations are one call (``make_run_rounds``).
+* ``HostTable`` (``client_states=host``): the table is NumPy arrays in host memory, for tables
+  larger than the device (MOON with a ResNet-18 and 100 clients holds 100 models); each round
+  is one compiled call and only the sampled clients' rows cross between host and device.
+
+Both give the same results; a checkpoint holds the server state, plus the host table if any.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+
+from fedjax_rcl.data.device import ClientData
+from fedjax_rcl.engine.round import ServerState, make_run_rounds, sample_clients
+from fedjax_rcl.engine.sharding import put_client_table, put_replicated, to_host
+from fedjax_rcl.types import ClientState, Metrics
+
+# ``round_rows(state, data, rows) -> (state, metrics, new_rows)`` (``engine.round.make_round``).
+RoundRows = Callable[[ServerState, ClientData, ClientState],
+                     tuple[ServerState, Metrics, ClientState]]
+# ``advance(state, n) -> (state, metrics)``: ``n`` rounds, metrics as NumPy ``[n, ...]``.
+Advance = Callable[[ServerState, int], tuple[ServerState, dict]]
+
+CLIENT_TABLES = ("device", "host")
+
+
+class ClientTable(Protocol):
+    """A place for the per-client state table (see the module docstring)."""
+
+    name: str
+
+    def place(self, state: ServerState, row: ClientState) -> ServerState:
+        """The initial state as the loop keeps it: ``state`` (holding no table) on the device,
+        every client's row a copy of ``row`` (a client that never trained)."""
+
+    def run_round(self, round_rows: RoundRows) -> Callable:
+        """A pure ``(state, data) -> (state, metrics)`` of one round over a state that holds
+        its table (device tables only)."""
+
+    def compile(self, round_rows: RoundRows, state: ServerState, data: ClientData,
+                capacity: int) -> Advance:
+        """Compiles the rounds for up to ``capacity`` rounds per call."""
+
+    def row(self, state: ServerState, client: int) -> ClientState:
+        """One client's row, on the device."""
+
+    def checkpoint(self, state: ServerState) -> Any:
+        """What a checkpoint holds for ``state``."""
+
+    def restore(self, tree: Any) -> ServerState:
+        """The state a checkpoint tree holds (the host table, if any, is read back)."""
+
+    def server_part(self, tree: Any) -> Any:
+        """The server state inside a checkpoint tree."""
+
+    def with_server(self, tree: Any, server: Any) -> Any:
+        """The checkpoint tree with its server state replaced."""
+
+
+def _repeat(row: ClientState, n: int) -> ClientState:
+    """``n`` copies of one row, in host memory: leaves ``[n, ...]``."""
+    return jax.tree.map(lambda x: np.repeat(np.asarray(x)[None], n, axis=0),
+                        jax.device_get(row))
+
+
+def _gather_round(round_rows: RoundRows, num_clients: int, per_round: int):
+    def run_round(state: ServerState, data: ClientData) -> tuple[ServerState, Metrics]:
+        sampled = sample_clients(state.key, state.round, num_clients, per_round)
+        rows = jax.tree.map(lambda t: t[sampled], state.client_states)
+        new_state, metrics, new_rows = round_rows(state, data, rows)
+        table = jax.tree.map(lambda t, r: t.at[sampled].set(r), state.client_states, new_rows)
+        return new_state.replace(client_states=table), metrics
+
+    return run_round
+
+
+class DeviceTable:
+    """The table as ``ServerState.client_states`` on the device (sharded by client over a
+    mesh when it divides evenly); several rounds fuse into one compiled call."""
+
+    name = "device"
+
+    def __init__(self, num_clients: int, per_round: int, mesh: Mesh | None = None):
+        self.num_clients, self.per_round, self.mesh = num_clients, per_round, mesh
+
+    def place(self, state: ServerState, row: ClientState) -> ServerState:
+        return put_replicated(state, self.mesh).replace(
+            client_states=put_client_table(_repeat(row, self.num_clients), self.mesh))
+
+    def run_round(self, round_rows: RoundRows):
+        return _gather_round(round_rows, self.num_clients, self.per_round)
+
+    def compile(self, round_rows: RoundRows, state: ServerState, data: ClientData,
+                capacity: int) -> Advance:
+        fused = jax.jit(make_run_rounds(self.run_round(round_rows), capacity),
+                        donate_argnums=0)
+        compiled = fused.lower(state, data, put_replicated(np.int32(capacity), self.mesh)
+                               ).compile()
+
+        def advance(state: ServerState, n: int):
+            state, metrics = compiled(state, data, put_replicated(np.int32(n), self.mesh))
+            return state, jax.tree.map(lambda x: x[:n], to_host(metrics))
+
+        return advance
+
+    def row(self, state: ServerState, client: int) -> ClientState:
+        return jax.tree.map(lambda t: t[client], state.client_states)
+
+    def checkpoint(self, state: ServerState):
+        return state
+
+    def restore(self, tree) -> ServerState:
+        return tree
+
+    def server_part(self, tree):
+        return tree
+
+    def with_server(self, tree, server):
+        del tree
+        return server
+
+
+class HostTable:
+    """The table as NumPy arrays in host memory (``rows``, leaves ``[num_clients, ...]``);
+    the state on the device holds none (``client_states=()``). Rounds run one compiled call
+    each; the sampled clients' rows go to the device and their new rows come back."""
+
+    name = "host"
+
+    def __init__(self, num_clients: int, per_round: int, mesh: Mesh | None = None):
+        self.num_clients, self.per_round, self.mesh = num_clients, per_round, mesh
+        self.rows: Any = ()
+
+    def place(self, state: ServerState, row: ClientState) -> ServerState:
+        self.rows = _repeat(row, self.num_clients)
+        return put_replicated(state, self.mesh)
+
+    def run_round(self, round_rows: RoundRows):
+        raise TypeError("client_states=host: the table is in host memory, outside the state; "
+                        "rounds run through compile()")
+
+    def compile(self, round_rows: RoundRows, state: ServerState, data: ClientData,
+                capacity: int) -> Advance:
+        del capacity  # one round per call: the rows of the next round depend on this one's
+        m = self.per_round
+        rows = put_replicated(jax.tree.map(lambda t: t[:m], self.rows), self.mesh)
+        one = jax.jit(round_rows, donate_argnums=0).lower(state, data, rows).compile()
+        sampler = jax.jit(lambda key, r: sample_clients(key, r, self.num_clients, m))
+
+        def advance(state: ServerState, n: int):
+            history = []
+            for _ in range(n):  # host memory is touched between rounds, by design
+                ids = to_host(sampler(state.key, state.round))
+                rows = put_replicated(jax.tree.map(lambda t, ids=ids: t[ids], self.rows),
+                                      self.mesh)
+                state, metrics, new_rows = one(state, data, rows)
+                for table, new in zip(jax.tree.leaves(self.rows),
+                                      jax.tree.leaves(to_host(new_rows)), strict=True):
+                    table[ids] = new
+                history.append(to_host(metrics))
+            return state, jax.tree.map(lambda *xs: np.stack(xs), *history)
+
+        return advance
+
+    def row(self, state: ServerState, client: int) -> ClientState:
+        del state
+        return jax.tree.map(lambda t: jax.numpy.asarray(t[client]), self.rows)
+
+    def checkpoint(self, state: ServerState):
+        return {"server": state, "host": self.rows}
+
+    def restore(self, tree) -> ServerState:
+        for table, saved in zip(jax.tree.leaves(self.rows), jax.tree.leaves(tree["host"]),
+                                strict=True):
+            table[...] = np.asarray(saved)
+        return tree["server"]
+
+    def server_part(self, tree):
+        return tree["server"]
+
+    def with_server(self, tree, server):
+        return {**tree, "server": server}
+
+
+def client_table(where: str, num_clients: int, per_round: int,
+                 mesh: Mesh | None = None) -> ClientTable:
+    """The strategy ``client_states=where`` names (``device`` or ``host``)."""
+    tables = {"device": DeviceTable, "host": HostTable}
+    if where not in tables:
+        raise ValueError(f"client_states={where!r}: allowed: {', '.join(CLIENT_TABLES)}")
+    return tables[where](num_clients, per_round, mesh)

@@ -1,0 +1,259 @@
+"""The run loop every command shares: advance in compiled blocks, evaluate, record, checkpoint.
+
+A run is one or more *stages* (federated rounds for ``train``; MFCL's phase-1 rounds and
+phase-2 server epochs for ``mfcl``), each advanced to its end by ``run_stage``:
+
+1. ``advance`` the state by the steps up to the next evaluation (one compiled call for a
+   device-resident run), and evaluate -- with host<->device copies outside explicit
+   ``device_get``/``device_put`` disallowed, so a hidden copy in the hot loop is an error;
+2. turn the block's output into one metrics line (``record``), which also stops the run with a
+   ``TrainingError`` naming the step on a non-finite loss;
+3. append the line to ``metrics.jsonl`` (never half a line: an interrupt waits for it) and
+   mirror it to the trackers;
+4. checkpoint on evaluation boundaries, at the first at least ``checkpoint_every`` steps after
+   the last save and at the end; the save is made durable before the loop goes on, so an
+   interrupt can always name the last complete checkpoint and the command that resumes it;
+5. report progress: a bar on a terminal, one plain line per evaluation elsewhere.
+
+``new_run`` and ``locked_run`` hold what starting and continuing a run directory share: the
+checks before anything is written, the exclusive lock, the resolved ``config.yaml``, the
+provenance records and the interrupt status line.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import jax
+
+from fedjax_rcl import interrupts, provenance, rundir
+from fedjax_rcl.checkpoint import Checkpointer
+from fedjax_rcl.config import (
+    RESUME_SAFE_KEYS,
+    CoreConfig,
+    changed_keys,
+    load_config,
+    to_dict,
+    to_yaml,
+)
+from fedjax_rcl.engine.sharding import is_primary
+from fedjax_rcl.tracking import Trackers
+from fedjax_rcl.validation import ConfigError
+
+__all__ = ["Sink", "Stage", "TrainingError", "load_run_config", "locked_run", "new_run",
+           "progress_text", "resume_config", "resumed_records", "run_stage", "save_checkpoint"]
+
+
+class TrainingError(RuntimeError):
+    """Training cannot go on (a non-finite loss); the message names where. The command line
+    exits with status 1; the last complete checkpoint stays intact."""
+
+
+@dataclasses.dataclass
+class Stage:
+    """One stretch of a run that ``run_stage`` advances to its end.
+
+    Attributes:
+      label: what a step is called in progress lines and checkpoint names (``"round"``,
+        ``"phase 2 epoch"``).
+      unit: the step's plural in rates (``"rounds"``, ``"epochs"``).
+      total: the step count at the end.
+      every: steps per block (one evaluation and one metrics line per block).
+      checkpoint_every: save at the first block end at least this many steps after the last
+        save (0: only at the end).
+      advance: ``(state, done, n) -> (state, out)``: the next ``n`` steps after ``done`` and
+        their evaluation, fetched to the host explicitly.
+      record: ``(state, out, done, n, block_s, elapsed_s) -> dict``: the metrics line for the
+        block that ends at ``done``; raises ``TrainingError`` on a non-finite loss.
+      checkpoint: ``(state, done, record) -> (tree, meta)``: what to save at ``done``.
+      checkpointer: where checkpoints go.
+      describe: ``record -> str``: the numbers of a progress line.
+      postfix: ``record -> dict``: the numbers beside a terminal's bar.
+    """
+
+    label: str
+    unit: str
+    total: int
+    every: int
+    checkpoint_every: int
+    advance: Callable[[Any, int, int], tuple[Any, Any]]
+    record: Callable[..., dict]
+    checkpoint: Callable[[Any, int, dict], tuple[Any, dict]]
+    checkpointer: Checkpointer
+    describe: Callable[[dict], str]
+    postfix: Callable[[dict], dict] = lambda record: {}
+
+
+class Sink:
+    """Where metrics lines go: ``metrics.jsonl`` (appended as they come, by the primary
+    process only) and the trackers the config selects."""
+
+    def __init__(self, run_dir: Path, cfg: CoreConfig | None = None, *, resumed_at: int = 0):
+        self._primary = is_primary()
+        self._file = open(run_dir / "metrics.jsonl", "a") if self._primary else None
+        self._trackers = (Trackers(cfg.tracking, run_dir, resumed_at=resumed_at,
+                                   config=to_dict(cfg))
+                          if cfg is not None and self._primary else None)
+
+    def write(self, record: dict) -> None:
+        if self._file is not None:
+            with interrupts.critical():  # never a torn line
+                self._file.write(json.dumps(record) + "\n")
+                self._file.flush()
+        if self._trackers is not None:
+            self._trackers.log(record)
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+        if self._trackers is not None:
+            self._trackers.close()
+
+
+def save_checkpoint(ckpt: Checkpointer, run_dir: Path, step: int, tree, meta: dict,
+                    where: str) -> None:
+    """A checkpoint made durable before the caller goes on, so that an interrupt (which
+    waits for it) can name it, ``where`` (``"round 10"``), as the last complete one."""
+    with interrupts.critical():
+        ckpt.save(step, tree, meta)
+        ckpt.wait()
+    interrupts.resume_status(run_dir, where)
+
+
+def _eta(seconds: float) -> str:
+    if seconds == float("inf"):
+        return "-"
+    if seconds >= 3600:
+        return f"{int(seconds // 3600)}h{int(seconds % 3600 // 60):02d}m"
+    return f"{int(seconds // 60)}m{int(seconds % 60):02d}s"
+
+
+def progress_text(label: str, unit: str, done: int, total: int, numbers: str,
+                  steps_run: int, seconds: float) -> str:
+    """One evaluation as a plain line: where the run is, its numbers, and the speed and ETA
+    of this process's steps so far (compile excluded)."""
+    rate = steps_run / seconds if seconds > 0 else float("inf")
+    left = (total - done) / rate if rate > 0 else float("inf")
+    return f"{label} {done}/{total}  {numbers}  {rate:.2f} {unit}/s  ETA {_eta(left)}"
+
+
+def run_stage(stage: Stage, state, done: int, *, run_dir: Path, sink: Sink,
+              progress: bool = False, log: Callable[[str], None] = print) -> tuple[Any, dict]:
+    """Advances ``state`` from step ``done`` to ``stage.total`` (see the module docstring).
+
+    Returns:
+      ``(state, record)``: the final state and the last metrics line (``{}`` when the stage
+      was already complete).
+    """
+    from tqdm import tqdm
+
+    record: dict = {}
+    start, first, last_saved = time.perf_counter(), done, done
+    # A bar (with tqdm's rate and ETA) on a terminal; elsewhere (logs, pipes, --no-progress)
+    # one plain line per evaluation, since a redrawn bar is noise in a file.
+    on_terminal = progress and is_primary() and sys.stderr.isatty()
+    bar = tqdm(total=stage.total, initial=done, unit=stage.label.split()[-1],
+               disable=not on_terminal, dynamic_ncols=True)
+    try:
+        while done < stage.total:
+            n = min(stage.every - done % stage.every, stage.total - done)
+            block_start = time.perf_counter()
+            with jax.transfer_guard("disallow"):
+                state, out = stage.advance(state, done, n)
+            block_s = time.perf_counter() - block_start
+            done += n
+            record = stage.record(state, out, done, n, block_s,
+                                  time.perf_counter() - start)
+            sink.write(record)
+            if done == stage.total or (stage.checkpoint_every
+                                       and done - last_saved >= stage.checkpoint_every):
+                last_saved = done
+                tree, meta = stage.checkpoint(state, done, record)
+                save_checkpoint(stage.checkpointer, run_dir, done, tree, meta,
+                                f"{stage.label} {done}")
+            bar.update(n)
+            bar.set_postfix(stage.postfix(record))
+            if not on_terminal:
+                log(progress_text(stage.label, stage.unit, done, stage.total,
+                                  stage.describe(record), done - first,
+                                  time.perf_counter() - start))
+    finally:
+        bar.close()
+    return state, record
+
+
+@contextlib.contextmanager
+def new_run(cfg: CoreConfig, prepare: Callable[[], Any], *, command: str | None,
+            primary: bool = True) -> Iterator[tuple[Path, Any]]:
+    """Starts a run directory for ``cfg`` and holds it for the ``with`` block.
+
+    ``cfg.run_dir`` is refused before any work if it holds a run; ``prepare()`` (loading the
+    data, building the experiment) runs next, so its errors leave no directory behind; then
+    the directory is created and locked, and ``config.yaml``, ``commands.txt`` and
+    ``environment.jsonl`` are written.
+
+    Yields:
+      ``(run_dir, prepare())``.
+    """
+    run_dir = rundir.resolve_new(cfg)
+    prepared = prepare()
+    run_dir = rundir.create_new(cfg, run_dir)
+    with rundir.locked(run_dir, enabled=primary, new_run=True):
+        interrupts.resume_status(run_dir, None)
+        if primary:
+            with interrupts.critical():
+                rundir.atomic_write_text(run_dir / "config.yaml", to_yaml(cfg))
+            provenance.record(run_dir, command, 0)
+        yield run_dir, prepared
+
+
+@contextlib.contextmanager
+def locked_run(run_dir: Path, *, primary: bool = True) -> Iterator[None]:
+    """Holds an existing run directory's lock for the ``with`` block; until a checkpoint is
+    read, an interrupt reports the directory unchanged."""
+    with rundir.locked(run_dir, enabled=primary):
+        interrupts.set_status(f"run_dir {run_dir}: unchanged; continue with: fedjax-rcl "
+                              f"resume {run_dir}")
+        yield
+
+
+def resumed_records(run_dir: Path, cfg: CoreConfig, lines: list[str], *, command: str | None,
+                    first: int, primary: bool = True) -> None:
+    """Rewrites a resumed run's ``metrics.jsonl`` as ``lines`` (those up to the checkpoint it
+    continues from) and its ``config.yaml`` as ``cfg``, and records this process."""
+    if not primary:
+        return
+    with interrupts.critical():
+        rundir.atomic_write_text(run_dir / "metrics.jsonl", "".join(f"{x}\n" for x in lines))
+        rundir.atomic_write_text(run_dir / "config.yaml", to_yaml(cfg))
+    provenance.record(run_dir, command, first)
+
+
+def load_run_config(run_dir: Path, overrides=()) -> tuple[CoreConfig, CoreConfig]:
+    """A run's saved config and the config with ``overrides`` applied (``ConfigError`` if
+    ``run_dir`` is not a run)."""
+    path = Path(run_dir) / "config.yaml"
+    if not path.is_file():
+        raise ConfigError([f"run_dir={str(run_dir)!r}: no config.yaml; not a fedjax-rcl run"])
+    saved = load_config(str(path), [f"run_dir={run_dir}"])
+    wanted = load_config(str(path), [*overrides, f"run_dir={run_dir}"])
+    return saved, wanted
+
+
+def resume_config(run_dir: Path, overrides=(), *, force: bool = False) -> CoreConfig:
+    """The config a run continues with: its own, with ``overrides``; overrides that would
+    change its results (anything but ``RESUME_SAFE_KEYS``) are refused unless ``force``."""
+    saved, cfg = load_run_config(run_dir, overrides)
+    changed = changed_keys(saved, cfg)
+    if changed and not force:
+        raise ConfigError([f"resume: {', '.join(changed)} would change the run's results "
+                           f"(only {', '.join(RESUME_SAFE_KEYS)} may change); pass --force to "
+                           "continue anyway"])
+    return cfg

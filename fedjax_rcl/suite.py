@@ -1,0 +1,184 @@
+"""``fedjax-rcl suite run|table SUITE.yaml``: a suite of runs advanced in round-robin chunks,
+resumable across sessions, and its table.
+
+A suite file (YAML) names a base config, a directory for the runs, and the runs as lists of
+``key=value`` overrides::
+
+    base: experiments/cifar10_resnet10w16.yaml
+    runs_dir: experiments/runs/fidelity
+    rounds: 200            # where every run is headed
+    report_rounds: [25, 50, 100, 200]
+    runs:
+      fedavg-a0.3: [algorithm=fedavg, alpha=0.3]
+      fedrcl-a0.3: [algorithm=fedrcl, alpha=0.3]
+
+``run`` advances every run by ``--chunk`` rounds in turn (``fedjax-rcl train`` the first time,
+``fedjax-rcl resume RUN_DIR rounds=N`` after), so all methods progress together and a session
+that ends early leaves comparable curves; running the same command again continues where the
+runs stand (their checkpoints are in the run directories). ``table`` writes the Markdown table
+of EMA accuracy at ``report_rounds``, the mean test accuracy over the ten rounds up to the last
+of them (less sensitive to a few lucky rounds of one seed than the EMA) and the accuracy curves::
+
+    fedjax-rcl suite run experiments/suites/fidelity_cpu.yaml --chunk 10
+    fedjax-rcl suite table experiments/suites/fidelity_cpu.yaml \
+        --out experiments/results/fidelity_cpu
+
+Each run's own commands (train, then resume) are in ``RUN_DIR/commands.txt`` (written by the
+command itself, with its machine and versions in ``RUN_DIR/environment.jsonl``). Paths in the
+suite file are relative to the directory the command runs in; the runs are started with the
+same Python (``python -m fedjax_rcl``), each in its own process.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+from fedjax_rcl.loop import TrainingError
+from fedjax_rcl.validation import ConfigError
+
+__all__ = ["load_suite", "rounds_done", "run", "table"]
+
+_KEYS = ("base", "runs_dir", "rounds", "runs")
+
+
+def load_suite(path: str) -> dict:
+    """Reads and checks a suite file (``ConfigError`` naming the problem)."""
+    try:
+        suite = yaml.safe_load(Path(path).read_text())
+    except FileNotFoundError:
+        raise ConfigError([f"suite file {path!r}: not found"]) from None
+    except yaml.YAMLError as e:
+        raise ConfigError([f"suite file {path!r}: not valid YAML ({str(e).splitlines()[0]})"]
+                          ) from None
+    if not isinstance(suite, dict):
+        raise ConfigError([f"suite file {path!r}: must be a mapping with keys "
+                           f"{', '.join(_KEYS)}"])
+    missing = [k for k in _KEYS if k not in suite]
+    if missing:
+        raise ConfigError([f"suite file {path!r}: missing keys {', '.join(missing)}"])
+    if not isinstance(suite["runs"], dict) or not suite["runs"]:
+        raise ConfigError([f"suite file {path!r}: runs must map run names to override lists"])
+    for name, overrides in suite["runs"].items():
+        if not isinstance(overrides, list) or not all(isinstance(o, str) and "=" in o
+                                                      for o in overrides):
+            raise ConfigError([f"suite file {path!r}: run {name!r} must be a list of "
+                               "key=value overrides"])
+    return suite
+
+
+def _metrics(run_dir: Path) -> list[dict]:
+    """A run's metrics lines (a torn last line of a killed process is skipped)."""
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return rows
+
+
+def rounds_done(run_dir: Path) -> int:
+    rows = _metrics(run_dir)
+    return rows[-1]["round"] if rows else 0
+
+
+def _command(suite: dict, name: str, target: int) -> list[str]:
+    run_dir = Path(suite["runs_dir"]) / name
+    if (run_dir / "config.yaml").is_file():
+        return ["fedjax-rcl", "resume", str(run_dir), f"rounds={target}", "--no-progress"]
+    return ["fedjax-rcl", "train", suite["base"], *suite["runs"][name], f"rounds={target}",
+            f"run_dir={run_dir}", "--no-progress"]
+
+
+def run(suite: dict, chunk: int, only: list[str] | None = None) -> None:
+    """Advances every run (or those named in ``only``) by ``chunk`` rounds at a time, the
+    run furthest behind first, until all reach the suite's ``rounds``.
+
+    Raises:
+      ConfigError: ``only`` names a run the suite does not have.
+      TrainingError: a run's command failed (its exit status is in the message).
+    """
+    unknown = sorted(set(only or ()) - set(suite["runs"]))
+    if unknown:
+        raise ConfigError([f"--only {' '.join(unknown)}: not runs of this suite (its runs: "
+                           f"{', '.join(suite['runs'])})"])
+    names = [n for n in suite["runs"] if not only or n in only]
+    while True:
+        pending = [(rounds_done(Path(suite["runs_dir"]) / n), n) for n in names]
+        pending = [(d, n) for d, n in pending if d < suite["rounds"]]
+        if not pending:
+            print("every run has reached its rounds", flush=True)
+            return
+        done, name = min(pending)  # the run furthest behind goes next
+        target = min(done + chunk, suite["rounds"])
+        cmd = _command(suite, name, target)
+        print(f"[{time.strftime('%H:%M:%S')}] {name}: {done} -> {target}: {shlex.join(cmd)}",
+              flush=True)
+        # The command records itself in RUN_DIR/commands.txt and environment.jsonl.
+        status = subprocess.run([sys.executable, "-m", "fedjax_rcl", *cmd[1:]]).returncode
+        if status != 0:
+            raise TrainingError(f"{name}: exit status {status}; stopping the suite")
+
+
+def table(suite: dict, out: Path) -> str:
+    """Writes ``out/table.md`` (EMA at the report rounds, the mean over the last ten, the
+    best) and ``out/ema_accuracy.png``; returns the table."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    report = suite.get("report_rounds") or [suite["rounds"]]
+    last = report[-1]
+    window = range(max(1, last - 9), last + 1)  # one seed's EMA moves with a few lucky rounds
+    lines = ["| run | overrides | rounds done | " + " | ".join(f"EMA @{r}" for r in report)
+             + f" | mean acc {window[0]}-{last} | best acc to {suite['rounds']} |",
+             "|---|---|---|" + "---|" * len(report) + "---|---|"]
+    groups: dict[str, list[str]] = {}
+    metrics = {name: _metrics(Path(suite["runs_dir"]) / name) for name in suite["runs"]}
+    for name, overrides in suite["runs"].items():
+        rows = metrics[name]
+        by_round = {r["round"]: r for r in rows}
+        cells = [f"{by_round[r]['test_accuracy_ema']:.4f}" if r in by_round else "—"
+                 for r in report]
+        mean = (f"{sum(by_round[r]['test_accuracy'] for r in window) / len(window):.4f}"
+                if all(r in by_round for r in window) else "—")
+        # Over the suite's rounds only: a run that went further is not compared on more rounds.
+        best = max((r["test_accuracy"] for r in rows if r["round"] <= suite["rounds"]),
+                   default=None)
+        done = rows[-1]["round"] if rows else 0
+        lines.append(f"| {name} | {' '.join(overrides)} | {done} | " + " | ".join(cells)
+                     + f" | {mean} | {'—' if best is None else f'{best:.4f}'} |")
+        group = suite.get("group_by")
+        key = next((o for o in overrides if group and o.startswith(f"{group}=")), "all")
+        groups.setdefault(key, []).append(name)
+    out.mkdir(parents=True, exist_ok=True)
+    fig, axes = plt.subplots(1, len(groups), figsize=(6 * len(groups), 4.2), squeeze=False)
+    for ax, (key, names) in zip(axes[0], sorted(groups.items()), strict=True):
+        for name in names:
+            rows = metrics[name]
+            if rows:
+                ax.plot([r["round"] for r in rows], [r["test_accuracy_ema"] for r in rows],
+                        label=name)
+        ax.set_title(key)
+        ax.set_xlabel("round")
+        ax.set_ylabel("test accuracy, EMA 0.9 per round")
+        ax.grid(alpha=0.3)
+        if ax.lines:
+            ax.legend(fontsize=8)
+    fig.suptitle(Path(suite["runs_dir"]).name + ": " + suite["base"])
+    fig.tight_layout()
+    fig.savefig(out / "ema_accuracy.png", dpi=110)
+    text = "\n".join(lines) + "\n"
+    (out / "table.md").write_text(text)
+    return text

@@ -1,0 +1,116 @@
+"""``fedjax-rcl suite``: which run goes next, the commands it issues, its table, bad files."""
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from fedjax_rcl import suite as suite_tool
+from fedjax_rcl.cli import main
+
+
+def _write_run(run_dir: Path, acc: np.ndarray) -> None:
+    run_dir.mkdir(parents=True)
+    ema, lines = 0.1, []
+    for t, a in enumerate(acc, start=1):
+        ema = 0.9 * ema + 0.1 * a
+        lines.append(json.dumps({"round": t, "test_accuracy": float(a),
+                                 "test_accuracy_ema": ema}))
+    (run_dir / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+
+
+def _suite(tmp_path: Path) -> dict:
+    return {"base": "base.yaml", "runs_dir": str(tmp_path / "runs"), "rounds": 30,
+            "report_rounds": [10, 30], "runs": {"a": ["algorithm=fedavg"],
+                                                "b": ["algorithm=fedrcl"]}}
+
+
+def test_table_ema_window_mean_and_best(tmp_path):
+    pytest.importorskip("matplotlib")
+    suite = _suite(tmp_path)
+    rng = np.random.default_rng(0)
+    acc_a, acc_b = rng.uniform(0.1, 0.6, 35), rng.uniform(0.1, 0.6, 25)
+    acc_a[32] = 0.99  # past the suite's 30 rounds: not its best
+    _write_run(tmp_path / "runs" / "a", acc_a)
+    _write_run(tmp_path / "runs" / "b", acc_b)  # stopped at 25: no @30, no window mean
+    text = suite_tool.table(suite, tmp_path / "out")
+    header, _, row_a, row_b = text.splitlines()
+    assert "EMA @10 | EMA @30 | mean acc 21-30 | best acc to 30 |" in header
+    ema = 0.1
+    for t, a in enumerate(acc_a[:30], start=1):
+        ema = 0.9 * ema + 0.1 * a
+        if t == 10:
+            ema10 = ema
+    cells_a = [c.strip() for c in row_a.split("|")[1:-1]]
+    assert cells_a[:3] == ["a", "algorithm=fedavg", "35"]
+    assert cells_a[3:] == [f"{ema10:.4f}", f"{ema:.4f}", f"{acc_a[20:30].mean():.4f}",
+                           f"{acc_a[:30].max():.4f}"]
+    cells_b = [c.strip() for c in row_b.split("|")[1:-1]]
+    assert cells_b[2] == "25" and cells_b[4:6] == ["—", "—"]
+    assert (tmp_path / "out" / "table.md").read_text() == text
+    assert (tmp_path / "out" / "ema_accuracy.png").stat().st_size > 0
+
+
+def test_run_advances_the_run_furthest_behind(tmp_path, monkeypatch):
+    suite = _suite(tmp_path)
+    _write_run(tmp_path / "runs" / "a", np.full(20, 0.5))
+    (tmp_path / "runs" / "a" / "config.yaml").write_text("{}")
+    calls = []
+
+    def fake_run(argv):
+        # Each run is a process of the same Python: python -m fedjax_rcl <command> ...
+        assert argv[:3] == [sys.executable, "-m", "fedjax_rcl"]
+        cmd = ["fedjax-rcl", *argv[3:]]
+        calls.append(cmd)
+        target = int(next(c for c in cmd if c.startswith("rounds=")).split("=")[1])
+        run_dir = Path(cmd[2]) if cmd[1] == "resume" else Path(
+            next(c for c in cmd if c.startswith("run_dir=")).split("=", 1)[1])
+        run_dir.mkdir(parents=True, exist_ok=True)
+        _write_run_append(run_dir, target)
+        (run_dir / "config.yaml").write_text("{}")
+        return type("Done", (), {"returncode": 0})()
+
+    monkeypatch.setattr(suite_tool.subprocess, "run", fake_run)
+    suite_tool.run(suite, chunk=10, only=None)
+    runs = [Path(c[2]).name if c[1] == "resume" else "b" for c in calls]
+    steps = [(c[1], next(x for x in c if x.startswith("rounds="))) for c in calls]
+    # b starts from nothing with train and catches up; on a tie the suite's order decides.
+    assert list(zip(runs, steps, strict=True)) == [
+        ("b", ("train", "rounds=10")), ("b", ("resume", "rounds=20")),
+        ("a", ("resume", "rounds=30")), ("b", ("resume", "rounds=30"))]
+    assert calls[0][2] == "base.yaml" and "algorithm=fedrcl" in calls[0]
+    # The commands record themselves (fedjax_rcl.provenance); the suite writes no run file.
+    assert not (tmp_path / "runs" / "b" / "commands.txt").exists()
+
+
+def _write_run_append(run_dir: Path, target: int) -> None:
+    path = run_dir / "metrics.jsonl"
+    done = suite_tool.rounds_done(run_dir)
+    with open(path, "a") as f:
+        for t in range(done + 1, target + 1):
+            f.write(json.dumps({"round": t, "test_accuracy": 0.5,
+                                "test_accuracy_ema": 0.5}) + "\n")
+
+
+def test_bad_suite_files_and_names_exit_2_with_one_line(tmp_path, capsys):
+    missing = tmp_path / "missing.yaml"
+    assert main(["suite", "run", str(missing)]) == 2
+    assert "not found" in capsys.readouterr().err
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("base: a.yaml\nruns_dir: runs\nrounds: 3\n")
+    assert main(["suite", "run", str(bad)]) == 2
+    assert "missing keys runs" in capsys.readouterr().err
+    bad.write_text("base: a.yaml\nruns_dir: runs\nrounds: 3\nruns:\n  x: algorithm=fedavg\n")
+    assert main(["suite", "table", str(bad)]) == 2
+    assert "run 'x' must be a list of key=value overrides" in capsys.readouterr().err
+    good = tmp_path / "good.yaml"
+    good.write_text(f"base: a.yaml\nruns_dir: {tmp_path / 'runs'}\nrounds: 3\n"
+                    "runs:\n  x: [algorithm=fedavg]\n")
+    assert main(["suite", "run", str(good), "--only", "y"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--only y: not runs of this suite (its runs: x)" in err[0]
+    assert main(["suite", "run", str(good), "--chunk", "0"]) == 2
+    assert "--chunk 0: must be >= 1" in capsys.readouterr().err
+    assert not (tmp_path / "runs").exists()
