@@ -18,10 +18,12 @@ EXIT_USAGE = 2
 EXIT_TRAINING = 1
 
 
-def _config_args(p: argparse.ArgumentParser) -> None:
+def _config_args(p: argparse.ArgumentParser,
+                 example: str = "rounds=50 dataset=imagefolder:path/to/data.zip "
+                                "server.lr=1.0") -> None:
     p.add_argument("args", nargs="*", metavar="[CONFIG.yaml] [key=value ...]",
-                   help="an optional YAML config, then dotted overrides, e.g. rounds=50 "
-                        "dataset=imagefolder:path/to/data.zip server.lr=1.0")
+                   help=f"an optional YAML config, then dotted overrides, e.g. {example} "
+                        "(fedjax-rcl config lists every key)")
 
 
 def _split_config_args(args: list[str]) -> tuple[str | None, list[str]]:
@@ -73,7 +75,7 @@ def parser() -> argparse.ArgumentParser:
     su.add_argument("--out", help="table: where table.md and ema_accuracy.png go (default: "
                     "experiments/results/<suite name>)")
     s = sub.add_parser("partition", help="partition statistics and a clients x classes plot")
-    _config_args(s)
+    _config_args(s, "num_clients=100 partition=dirichlet alpha=0.05 dataset=cifar10")
     s.add_argument("--plot", default="partition.png", help="where to save the plot (PNG)")
     return p
 
@@ -222,9 +224,15 @@ def _partition(cfg, plot_path: str) -> int:
     parts = make_partition(cfg, ds.train_labels)
     counts = class_counts(ds.train_labels, parts, ds.num_classes)
     summary = heterogeneity_summary(counts)
+    name = cfg.dataset
+    if name.startswith("imagefolder:"):  # the file or folder name, not a long path
+        name = "imagefolder:" + os.path.basename(name.split(":", 1)[1].rstrip("/"))
+    setting = {"dirichlet": f"dirichlet (alpha={cfg.alpha}, "
+                            f"{'balanced' if cfg.balanced else 'unbalanced'})",
+               "shards": f"shards ({cfg.shards_per_client} per client)"}.get(cfg.partition,
+                                                                           cfg.partition)
     plot_class_counts(counts, plot_path, class_names=ds.class_names,
-                      title=f"{cfg.dataset}: {cfg.partition} (alpha={cfg.alpha}), "
-                            f"{cfg.num_clients} clients")
+                      title=f"{name}: {setting}, {cfg.num_clients} clients")
     print(json.dumps({**summary, "dataset": cfg.dataset, "partition": cfg.partition,
                       "alpha": cfg.alpha, "num_clients": cfg.num_clients, "plot": plot_path},
                      indent=2))

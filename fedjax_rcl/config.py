@@ -596,6 +596,7 @@ def validate(cfg: CoreConfig, *, check_data: bool = True) -> None:
         try:
             check_dataset_spec(cfg.dataset, data_dir=cfg.data_dir)
         except DataError as e:
-            p.append(f"dataset={cfg.dataset!r}: {e}")
+            prefix = f"dataset={cfg.dataset!r}: "
+            p.append(str(e) if str(e).startswith(prefix) else prefix + str(e))
     if p:
         raise ConfigError(p)

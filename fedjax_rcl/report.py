@@ -9,7 +9,7 @@ into the *method* (the algorithm, its own section's keys, the server optimizer) 
 
 * ``report.md``: one table per reported round (default: the last round every run reached),
   methods as rows and settings as columns, EMA test accuracy as the paper's tables
-  (``ema_t = d ema_{t-1} + (1 - d) acc_t``), best accuracy beside it; the runs behind each cell;
+  (``ema_t = d ema_{t-1} + (1 - d) acc_t``), the best accuracy through that round beside it; the runs behind each cell;
 * ``convergence.png``: EMA accuracy over rounds, one panel per setting (paper Fig. 1/A);
 * ``collapse.png``, for runs recorded with ``analysis_every``: effective rank and variability
   collapse index of the global and local models' features over rounds (paper Figs. 2-3);
@@ -53,9 +53,9 @@ class Run:
     def last_round(self) -> int:
         return self.rows[-1]["round"] if self.rows else 0
 
-    @property
-    def best(self) -> float | None:
-        return max((x["test_accuracy"] for x in self.rows), default=None)
+    def best_to(self, r: int) -> float | None:
+        """The best test accuracy of the evaluations up to round ``r`` (None: none yet)."""
+        return max((x["test_accuracy"] for x in self.rows if x["round"] <= r), default=None)
 
 
 def _section(algorithm) -> str:
@@ -146,14 +146,15 @@ def table(runs: Sequence[Run], at: Sequence[int]) -> str:
     methods, settings, cells = group(runs)
     lines = []
     for r in at:
-        lines += [f"EMA test accuracy at round {r} (best accuracy in brackets):", "",
+        lines += [f"EMA test accuracy at round {r} (in brackets: the best accuracy through "
+                  f"round {r}):", "",
                   "| method | " + " | ".join(settings) + " |",
                   "|---" * (len(settings) + 1) + "|"]
         for m in methods:
             row = []
             for s in settings:
                 hit = cells.get((m, s), [])
-                vals = [(x.ema_at(r), x.best) for x in hit]
+                vals = [(x.ema_at(r), x.best_to(r)) for x in hit]
                 row.append("; ".join(f"{_fmt(e)} ({_fmt(b)})" for e, b in vals) or "—")
             lines.append(f"| {m} | " + " | ".join(row) + " |")
         lines.append("")

@@ -1,6 +1,7 @@
 """The command line: bad input exits 2 with one line naming the field; a tiny run learns."""
 
 import json
+import logging
 import subprocess
 import sys
 
@@ -180,3 +181,47 @@ def test_progress_line_rate_and_eta():
     assert line == ("round 30/100  train loss 1.5000  test acc 0.4000 (EMA 0.3500)  "
                     "0.50 rounds/s  ETA 2m20s")
     assert progress_line(record, 10_000, 20, 40.0).endswith("ETA 5h32m")  # 9970 rounds at 0.5/s
+
+
+def test_partition_prints_counts_as_integers_and_its_own_help_example(tmp_path, capsys):
+    plot = tmp_path / "split.png"
+    assert main(["partition", "num_clients=7", "alpha=0.1", "--plot", str(plot)]) == 0
+    out = json.loads(capsys.readouterr().out)
+    for key in ("num_clients", "num_classes", "size_min", "size_max"):
+        assert type(out[key]) is int, (key, out[key])
+    assert out["num_clients"] == 7 and plot.read_bytes()[:4] == b"\x89PNG"
+    with pytest.raises(SystemExit):
+        main(["partition", "--help"])
+    help_text = capsys.readouterr().out
+    assert "rounds=" not in help_text and "alpha=0.05" in help_text
+
+
+def test_partition_plot_title_is_wrapped_inside_the_figure(tmp_path):
+    import numpy as np
+
+    from fedjax_rcl.data import plot_class_counts
+
+    counts = np.arange(3 * 10).reshape(3, 10)
+    title = "imagefolder:" + "/a-very-long-folder-name" * 12 + ": dirichlet (alpha=0.05)"
+    fig = plot_class_counts(counts, tmp_path / "p.png", title=title)
+    renderer = fig.canvas.get_renderer()
+    box, inside = fig._suptitle.get_window_extent(renderer), fig.bbox
+    assert inside.x0 <= box.x0 and box.x1 <= inside.x1, (box, inside)
+
+
+def test_missing_datasets_say_so_in_one_line_without_warnings(tmp_path, capsys, monkeypatch,
+                                                              caplog):
+    """No doubled 'dataset=...' prefix, and no TFDS warnings before the error."""
+    from fedjax_rcl.data import tfds_source
+
+    monkeypatch.setattr(tfds_source, "_online", lambda: False)  # never wait for a network
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    for dataset in ("tiny_imagenet", "cifar10"):
+        assert main(["train", f"dataset={dataset}", f"data_dir={empty}",
+                     f"run_dir={tmp_path / 'run'}"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1, err
+        assert err[0].startswith(f"fedjax-rcl: error: dataset='{dataset}': ")
+        assert err[0].count("dataset=") == 1, err[0]
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []

@@ -60,3 +60,23 @@ def test_not_a_run_directory_is_a_usage_error(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "not a run directory (needs config.yaml and metrics.jsonl)" in err
     assert "Traceback" not in err
+
+
+def test_best_in_brackets_counts_only_the_rounds_up_to_the_reported_one(tmp_path):
+    """A run that went further than the reported round: its later, better rounds do not
+    enter the bracket of an earlier round."""
+    from fedjax_rcl.report import load_run, table
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text("algorithm: fedavg\nseed: 0\n")
+    acc = [0.2, 0.5, 0.3, 0.9]  # the best through round 3 is 0.5; round 4's 0.9 comes later
+    ema, lines = None, []
+    for r, a in enumerate(acc, start=1):
+        ema = a if ema is None else 0.9 * ema + 0.1 * a
+        lines.append(json.dumps({"round": r, "test_accuracy": a, "test_accuracy_ema": ema}))
+    (run / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    text = table([load_run(run)], [3, 4])
+    at3, at4 = text.split("EMA test accuracy at round 4")
+    assert "(0.5000)" in at3 and "0.9000" not in at3
+    assert "(0.9000)" in at4

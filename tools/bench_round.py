@@ -310,7 +310,11 @@ def main():
     ap.add_argument("--clients", nargs="+", type=int, default=None)
     ap.add_argument("--modes", nargs="+", default=["vmap", "sequential", "torch"])
     ap.add_argument("--quick", action="store_true", help="CNN only, 1 and 5 clients")
-    ap.add_argument("--no-append", action="store_true")
+    ap.add_argument("--no-append", action="store_true",
+                    help="print the table only: write nothing into the checkout (no JSON, "
+                         "plot or HISTORY.md entry); --json keeps the results elsewhere")
+    ap.add_argument("--json", type=Path, metavar="PATH",
+                    help="also write the results as JSON to PATH")
     ap.add_argument("--passes", type=int, default=1,
                     help="run every configuration this many times, in rotation; report medians")
     ap.add_argument("--timeout", type=float, default=3600)
@@ -364,13 +368,14 @@ def main():
     notes = ratios(rows)
     print(text)
     print("\n".join(notes))
-    (ROOT / "benchmarks").mkdir(exist_ok=True)
-    if not args.no_append:  # the plot goes with the appended table
+    result = json.dumps({"machine": machine(), "matmul_peak_gflops": peak,
+                         "convolutions": convs, "rows": rows}, indent=1)
+    if args.json:
+        args.json.write_text(result)
+    if not args.no_append:  # the JSON and the plot go with the appended table
+        (ROOT / "benchmarks").mkdir(exist_ok=True)
         plot(rows, ROOT / "benchmarks" / "round_scaling.png")
-    (ROOT / "benchmarks" / f"round-{time.strftime('%Y%m%d-%H%M%S')}.json").write_text(
-        json.dumps({"machine": machine(), "matmul_peak_gflops": peak, "convolutions": convs,
-                    "rows": rows}, indent=1))
-    if not args.no_append:
+        (ROOT / "benchmarks" / f"round-{time.strftime('%Y%m%d-%H%M%S')}.json").write_text(result)
         with open(ROOT / "benchmarks" / "HISTORY.md", "a") as f:
             f.write(f"\n## Round speed ({time.strftime('%Y-%m-%d')}; {machine()})\n\n"
                     f"`python tools/bench_round.py {' '.join(sys.argv[1:])}`; matmul peak "

@@ -23,6 +23,7 @@ import ast
 import math
 import numbers
 import os
+import textwrap
 from collections.abc import Sequence
 
 import numpy as np
@@ -384,7 +385,8 @@ def heterogeneity_summary(counts: np.ndarray) -> dict[str, float]:
       counts: non-negative int array ``[C, K]``, e.g. from :func:`class_counts`.
 
     Returns:
-      dict from the names above to Python floats.
+      dict from the names above to Python numbers: ints for the counts (``num_clients``,
+      ``num_classes``, ``size_min``, ``size_max``), floats for the means.
     """
     counts = np.asarray(counts)
     if counts.ndim != 2 or counts.shape[0] == 0 or counts.shape[1] == 0:
@@ -396,11 +398,11 @@ def heterogeneity_summary(counts: np.ndarray) -> dict[str, float]:
     counts = counts.astype(np.float64)
     sizes = counts.sum(axis=1)
     out = {
-        "num_clients": float(counts.shape[0]),
-        "num_classes": float(counts.shape[1]),
-        "size_min": float(sizes.min()),
+        "num_clients": int(counts.shape[0]),
+        "num_classes": int(counts.shape[1]),
+        "size_min": int(sizes.min()),
         "size_mean": float(sizes.mean()),
-        "size_max": float(sizes.max()),
+        "size_max": int(sizes.max()),
     }
     nonempty = sizes > 0
     if not nonempty.any():
@@ -431,8 +433,8 @@ def plot_class_counts(
     *,
     class_names: Sequence[str] | None = None,
     title: str | None = None,
-) -> None:
-    """Saves a clients x classes heatmap of ``counts`` as a PNG.
+):
+    """Saves a clients x classes heatmap of ``counts`` as a PNG and returns its figure.
 
     Rows are clients (in id order), columns classes; the colour is the count on a square-root
     scale so that the few samples of minor classes stay visible next to a dominant class. Cells
@@ -503,8 +505,12 @@ def plot_class_counts(
     ax_size.set_xlabel("client size")
     ax_size.tick_params(axis="y", left=False)
 
-    fig.suptitle(title or f"Samples per class for {num_clients} clients x {num_classes} classes")
+    title = title or f"Samples per class for {num_clients} clients x {num_classes} classes"
+    # Wrapped to the figure's width (about 9 characters per inch at the title's size), so that a
+    # long title (a dataset path) is never cut at the edges.
+    fig.suptitle(textwrap.fill(title, width=max(20, int(9 * width))))
     fig.savefig(os.fspath(path), format="png", dpi=110)
+    return fig
 
 
 # --------------------------------------------------------------------------------------------

@@ -24,6 +24,8 @@ Decoded arrays are cached like image folders, keyed by the prepared folder and i
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import posixpath
 import socket
@@ -136,8 +138,28 @@ def _online() -> bool:
         return False
 
 
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """TFDS's warnings muted: looking for a prepared version, it warns about every version
+    folder without its metadata, which is what an unprepared data_dir has; what matters is
+    reported as a DataError."""
+    absl = logging.getLogger("absl")
+    level = absl.level
+    absl.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        absl.setLevel(level)
+
+
 def _builder(name: str, data_dir: str | os.PathLike | None):
-    return _BUILDERS[name](data_dir=None if data_dir is None else os.fspath(data_dir))
+    with _quiet():
+        return _BUILDERS[name](data_dir=None if data_dir is None else os.fspath(data_dir))
+
+
+def _is_prepared(builder) -> bool:
+    with _quiet():
+        return builder.is_prepared()
 
 
 def _check_readable(builder) -> None:
@@ -171,7 +193,7 @@ def check_tfds(name: str, *, data_dir: str | os.PathLike | None = None) -> None:
             its host unreachable.
     """
     builder = _builder(name, data_dir)
-    if builder.is_prepared():
+    if _is_prepared(builder):
         _check_readable(builder)
     else:
         _check_preparable(builder)
@@ -209,7 +231,7 @@ def load_tfds(name: str, *, data_dir: str | os.PathLike | None = None,
         DataError: See the module docstring; a failed download or prepare is reported as one.
     """
     builder = _builder(name, data_dir)
-    if not builder.is_prepared():
+    if not _is_prepared(builder):
         _check_preparable(builder)
         try:
             builder.download_and_prepare(file_format="array_record")
