@@ -9,7 +9,8 @@ into the *method* (the algorithm, its own section's keys, the server optimizer) 
 
 * ``report.md``: one table per reported round (default: the last round every run reached),
   methods as rows and settings as columns, EMA test accuracy as the paper's tables
-  (``ema_t = d ema_{t-1} + (1 - d) acc_t``), the best accuracy through that round beside it; the runs behind each cell;
+  (``ema_t = d ema_{t-1} + (1 - d) acc_t``), the best accuracy through that round beside
+  it; the runs behind each cell;
 * ``convergence.png``: EMA accuracy over rounds, one panel per setting (paper Fig. 1/A);
 * ``collapse.png``, for runs recorded with ``analysis_every``: effective rank and variability
   collapse index of the global and local models' features over rounds (paper Figs. 2-3);
