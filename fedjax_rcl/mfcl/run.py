@@ -7,9 +7,9 @@ of the engine's compiled rounds (``experiment.build`` with ``algorithm=mfcl``,
 ``model=mfcl_autoencoder``: clients side by side, local steps scanned); phase 2 a stage of
 server epochs, one compiled program each (``mfcl.phase2``); then the probe (``mfcl.probe``).
 The run directory holds ``config.yaml``, ``metrics.jsonl`` (a line per phase-1 evaluation
-``{"phase": 1, "round", ...}``, per server epoch ``{"phase": 2, "epoch", ...}`` and the probe's ``{"phase": "probe",
-"linear_probe_accuracy", ...}``), ``checkpoints/phase1`` and ``checkpoints/phase2`` (Orbax) and
-``resources.json``.
+``{"phase": 1, "round", ...}``, per server epoch ``{"phase": 2, "epoch", ...}`` and the
+probe's ``{"phase": "probe", "linear_probe_accuracy", ...}``), ``checkpoints/phase1`` and
+``checkpoints/phase2`` (Orbax) and ``resources.json``.
 """
 
 from __future__ import annotations
