@@ -16,6 +16,17 @@ import sys
 
 EXIT_USAGE = 2
 EXIT_TRAINING = 1
+NO_PROGRESS = ("one plain line per evaluation instead of a progress bar (the default when "
+               "the output is not a terminal)")
+
+
+def _version() -> str:
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version("fedjax-rcl")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
 
 
 def _config_args(p: argparse.ArgumentParser,
@@ -40,10 +51,11 @@ def parser() -> argparse.ArgumentParser:
         prog="fedjax-rcl",
         description="Federated learning simulated in JAX: every sampled client trains at once, "
                     "one compiled program per round.")
+    p.add_argument("--version", action="version", version=f"fedjax-rcl {_version()}")
     sub = p.add_subparsers(dest="command", required=True)
     t = sub.add_parser("train", help="train a federated model")
     _config_args(t)
-    t.add_argument("--no-progress", action="store_true", help="no progress bar")
+    t.add_argument("--no-progress", action="store_true", help=NO_PROGRESS)
     t.add_argument("--print-config", action="store_true",
                    help="print the resolved config and exit")
     r = sub.add_parser("resume", help="continue a run from its newest complete checkpoint")
@@ -52,7 +64,7 @@ def parser() -> argparse.ArgumentParser:
                    help="e.g. rounds=200 (keys that change results need --force)")
     r.add_argument("--force", action="store_true",
                    help="resume even if the overrides change the run's results")
-    r.add_argument("--no-progress", action="store_true", help="no progress bar")
+    r.add_argument("--no-progress", action="store_true", help=NO_PROGRESS)
     e = sub.add_parser("eval", help="evaluate a run's newest checkpoint; prints JSON")
     e.add_argument("run_dir", help="the run directory")
     rep = sub.add_parser("report", help="tables and figures in the paper's layout from runs")
@@ -63,9 +75,14 @@ def parser() -> argparse.ArgumentParser:
     m = sub.add_parser("mfcl", help="MFCL: federated client-module training, the server's "
                        "contrastive training on the clients' representations, linear probe")
     _config_args(m)
-    m.add_argument("--no-progress", action="store_true", help="(accepted; MFCL prints lines)")
+    m.add_argument("--no-progress", action="store_true", help=NO_PROGRESS)
     m.add_argument("--print-config", action="store_true",
                    help="print the resolved config and exit")
+    c = sub.add_parser("config", help="list the config keys: type, default, allowed values, "
+                       "meaning")
+    c.add_argument("args", nargs="*", metavar="[SECTION|KEY] [plugins=[...]]",
+                   help="a section (fedrcl, server.fedadam) or a key (fedrcl.beta); default: "
+                        "every key. plugins=[module] adds the sections of your plugins")
     su = sub.add_parser("suite", help="run a suite of experiments in resumable chunks, or "
                         "tabulate it")
     su.add_argument("action", choices=["run", "table"])
@@ -160,6 +177,8 @@ def _command(argv: list[str] | None) -> int:
             return 0
         if args.command == "suite":
             return _suite(args)
+        if args.command == "config":
+            return _config(args.args)
         if args.command == "eval":
             from fedjax_rcl.api import evaluate
 
@@ -191,6 +210,23 @@ def _command(argv: list[str] | None) -> int:
         return _fail(str(e), EXIT_TRAINING)
     except KeyboardInterrupt:
         return _fail("interrupted", 130)
+    return 0
+
+
+def _config(args: list[str]) -> int:
+    from fedjax_rcl import reference
+    from fedjax_rcl.config import load_config
+    from fedjax_rcl.validation import ConfigError
+
+    queries = [a for a in args if "=" not in a]
+    overrides = [a for a in args if "=" in a]
+    wrong = [o for o in overrides if o.partition("=")[0] != "plugins"]
+    if len(queries) > 1 or wrong:
+        raise ConfigError([f"config {' '.join(args)}: give at most one SECTION or KEY, and "
+                           "plugins=[module] to include a plugin's sections"])
+    if overrides:
+        load_config(None, overrides)  # imports the plugins (their errors are config errors)
+    print(reference.text(queries[0] if queries else None), end="")
     return 0
 
 

@@ -20,10 +20,18 @@ from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
 from fedjax_rcl.tracking import TrackingConfig
-from fedjax_rcl.validation import CheckContext, ConfigError, check_levels, finite, require
+from fedjax_rcl.validation import (
+    CheckContext,
+    ConfigError,
+    check_levels,
+    did_you_mean,
+    finite,
+    one_of,
+    require,
+)
 
-__all__ = ["CheckContext", "ConfigError", "CoreConfig", "check_levels", "finite", "flat_keys",
-           "load_config", "schema", "to_yaml", "validate"]
+__all__ = ["CheckContext", "ConfigError", "CoreConfig", "check_levels", "degenerate_settings",
+           "finite", "flat_keys", "load_config", "schema", "to_yaml", "validate"]
 
 
 @dataclass
@@ -224,8 +232,11 @@ def _format_key_error(err: OmegaConfBaseException) -> str:
     key = getattr(err, "full_key", None) or "?"
     if isinstance(err, ConfigKeyError):
         section = _section_type(key) or schema()
-        allowed = ", ".join(f.name for f in dataclasses.fields(section))
-        return f"{key}: unknown config key; allowed keys here: {allowed}"
+        prefix = key.rpartition(".")[0]
+        names = [f.name for f in dataclasses.fields(section)]
+        dotted = [f"{prefix}.{n}" if prefix else n for n in names]
+        return (f"{key}: unknown config key{did_you_mean(key, dotted)}; "
+                f"allowed keys here: {', '.join(names)}")
     if isinstance(err, ValidationError):
         msg = str(getattr(err, "msg", err)).splitlines()[0]
         # OmegaConf's "Value '1.5' of type 'float' could not be converted to Integer", said as
@@ -256,13 +267,38 @@ def _plugins_named(layers: list, overrides: list[str]) -> list:
     return plugins
 
 
+def _yaml_problem(path: str, err: Exception) -> str:
+    """A YAML syntax error as one line: where (line and column, 1-based) and what."""
+    mark = getattr(err, "problem_mark", None) or getattr(err, "context_mark", None)
+    what = getattr(err, "problem", None) or (str(err).strip().splitlines() or [""])[0]
+    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+    return f"config file {path!r}: not valid YAML{where} ({what or type(err).__name__})"
+
+
+def _plugins_as_list(layer):
+    """``plugins: name`` (a single module, not a list) read as ``plugins: [name]``."""
+    if "plugins" in layer and isinstance(layer.get("plugins"), str):
+        layer.plugins = [layer.plugins]
+    return layer
+
+
+def _plugin_override(override: str) -> str:
+    """``plugins=name`` (no brackets) as ``plugins=[name]``."""
+    key, _, value = override.partition("=")
+    value = value.strip()
+    if key.strip() != "plugins" or value.startswith("[") or value in ("", "null", "~"):
+        return override
+    return f"plugins=[{value}]"
+
+
 def load_config(path: str | None = None, overrides: list[str] | tuple[str, ...] = (), *,
-                defaults: dict | None = None) -> CoreConfig:
+                defaults: dict | None = None, plugin_dirs: tuple[str, ...] = ()) -> CoreConfig:
     """Defaults <- ``defaults`` (a command's own, e.g. ``mfcl``'s) <- YAML file <-
     ``key=value`` overrides, type-checked; then ``validate``.
 
     The modules named in ``plugins`` are imported first (they may register what the rest of
-    the config names).
+    the config names), looked up on ``sys.path``, in the current directory and in
+    ``plugin_dirs`` (for a run: where its plugins were found when it started).
 
     Raises:
       ConfigError: unreadable file, bad YAML, unknown key, wrong type, a plugin that cannot
@@ -277,16 +313,17 @@ def load_config(path: str | None = None, overrides: list[str] | tuple[str, ...] 
         except FileNotFoundError:
             raise ConfigError([f"config file {path!r}: not found"]) from None
         except Exception as e:  # YAML syntax errors come in several types
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise ConfigError([f"config file {path!r}: not valid YAML ({first})"]) from None
+            raise ConfigError([_yaml_problem(path, e)]) from None
         if not OmegaConf.is_dict(loaded):
             raise ConfigError([f"config file {path!r}: must be a mapping of keys to values"])
-        layers.append(loaded)
+        layers.append(_plugins_as_list(loaded))
     bad = [o for o in overrides if "=" not in o or o.startswith("=")]
     if bad:
         raise ConfigError([f"override {o!r}: expected key=value" for o in bad])
+    overrides = [_plugin_override(o) for o in overrides]
     try:
-        plugin_problems = registry.load_plugins(_plugins_named(layers, list(overrides)))
+        plugin_problems = registry.load_plugins(_plugins_named(layers, list(overrides)),
+                                                search=plugin_dirs)
     except OmegaConfBaseException as e:
         plugin_problems = [f"plugins: {str(e).splitlines()[0]}"]
     if plugin_problems:
@@ -485,6 +522,25 @@ def _check_onednn(p: list[str]) -> None:
                  "(use auto, which falls back to the matmul convolutions)")
 
 
+def degenerate_settings(cfg: CoreConfig) -> list[str]:
+    """Valid settings that probably do not do what was meant, one line each (a warning at the
+    start of a run, not an error): a participation that rounds to fewer clients than it says,
+    and an evaluation interval the run never reaches before its end."""
+    out = []
+    expected = cfg.participation * cfg.num_clients
+    m = max(int(expected), 1)
+    if expected < 1:
+        out.append(f"participation={cfg.participation:g} x num_clients={cfg.num_clients} = "
+                   f"{expected:g} clients: each round samples {m} client (the minimum)")
+    elif abs(expected - round(expected)) > 1e-9:
+        out.append(f"participation={cfg.participation:g} x num_clients={cfg.num_clients} = "
+                   f"{expected:g} clients: each round samples {m} (rounded down)")
+    if cfg.eval_every > cfg.rounds:
+        out.append(f"eval_every={cfg.eval_every} > rounds={cfg.rounds}: the run is evaluated "
+                   f"only at its end (round {cfg.rounds})")
+    return out
+
+
 def validate(cfg: CoreConfig, *, check_data: bool = True) -> None:
     """Checks every field; raises ``ConfigError`` listing all problems (one line each).
 
@@ -495,6 +551,7 @@ def validate(cfg: CoreConfig, *, check_data: bool = True) -> None:
     # Imported here: the registries live with their modules, and importing them pulls in JAX.
     from fedjax_rcl import registry
     from fedjax_rcl.data.partitioning import METHODS
+    from fedjax_rcl.engine.tables import CLIENT_TABLES
     from fedjax_rcl.nn.conv import CONV_IMPLS
     from fedjax_rcl.nn.norm import NORMS
     from fedjax_rcl.server import AGGREGATIONS
@@ -503,7 +560,7 @@ def validate(cfg: CoreConfig, *, check_data: bool = True) -> None:
     models, algorithms = registry.MODELS, registry.ALGORITHMS
     p: list[str] = []
     require(p, cfg.seed >= 0, "seed", cfg.seed, "must be an integer >= 0")
-    require(p, cfg.model in models, "model", cfg.model, f"allowed: {', '.join(models)}")
+    one_of(p, "model", cfg.model, models)
     model = models.get(cfg.model)
     if cfg.width is not None:
         if model is not None and not model.width:
@@ -513,13 +570,11 @@ def validate(cfg: CoreConfig, *, check_data: bool = True) -> None:
         else:
             require(p, cfg.width >= 2 and cfg.width % 2 == 0, "width", cfg.width,
                    "must be an even number >= 2 (GroupNorm's 2 groups split the channels)")
-    require(p, cfg.algorithm in algorithms, "algorithm", cfg.algorithm,
-           f"allowed: {', '.join(algorithms)}")
+    one_of(p, "algorithm", cfg.algorithm, algorithms)
     require(p, cfg.num_clients >= 1, "num_clients", cfg.num_clients, "must be >= 1")
     require(p, finite(cfg.participation) and 0 < cfg.participation <= 1, "participation",
            cfg.participation, "must be in (0, 1]")
-    require(p, cfg.partition in METHODS, "partition", cfg.partition,
-           f"allowed: {', '.join(METHODS)}")
+    one_of(p, "partition", cfg.partition, METHODS)
     if cfg.partition == "dirichlet":
         require(p, finite(cfg.alpha) and cfg.alpha > 0, "alpha", cfg.alpha,
                "must be a finite number > 0 (Dirichlet concentration)")
@@ -538,8 +593,7 @@ def validate(cfg: CoreConfig, *, check_data: bool = True) -> None:
            cfg.weight_decay, "must be >= 0")
     require(p, finite(cfg.clip_norm) and cfg.clip_norm >= 0, "clip_norm", cfg.clip_norm,
            "must be >= 0 (0 disables clipping)")
-    require(p, cfg.aggregation in AGGREGATIONS, "aggregation", cfg.aggregation,
-           f"allowed: {', '.join(AGGREGATIONS)}")
+    one_of(p, "aggregation", cfg.aggregation, AGGREGATIONS)
     require(p, cfg.eval_every >= 1, "eval_every", cfg.eval_every, "must be >= 1")
     require(p, isinstance(cfg.analysis_every, int) and cfg.analysis_every >= 0
            and (cfg.analysis_every == 0 or cfg.eval_every < 1
@@ -557,8 +611,7 @@ def validate(cfg: CoreConfig, *, check_data: bool = True) -> None:
     require(p, cfg.devices >= 0, "devices", cfg.devices, "must be >= 0 (0: every device)")
     require(p, cfg.clients_in_parallel >= 0, "clients_in_parallel", cfg.clients_in_parallel,
            "must be >= 0 (0: all sampled clients at once)")
-    require(p, cfg.client_states in ("device", "host"), "client_states", cfg.client_states,
-           "allowed: device, host")
+    one_of(p, "client_states", cfg.client_states, CLIENT_TABLES)
     d = cfg.distributed
     require(p, d.num_processes >= 1, "distributed.num_processes", d.num_processes, "must be >= 1")
     require(p, 0 <= d.process_id < max(d.num_processes, 1), "distributed.process_id",
@@ -568,13 +621,11 @@ def validate(cfg: CoreConfig, *, check_data: bool = True) -> None:
     require(p, d.num_processes == 1 or bool(d.coordinator_address),
            "distributed.coordinator_address", d.coordinator_address,
            "required (host:port of process 0) when num_processes > 1")
-    require(p, cfg.conv_impl in CONV_IMPLS, "conv_impl", cfg.conv_impl,
-           f"allowed: {', '.join(CONV_IMPLS)}")
+    one_of(p, "conv_impl", cfg.conv_impl, CONV_IMPLS)
     if cfg.conv_impl == "onednn":
         _check_onednn(p)
-    require(p, cfg.norm in NORMS, "norm", cfg.norm, f"allowed: {', '.join(NORMS)}")
-    require(p, cfg.server.optimizer in registry.SERVER_OPTIMIZERS, "server.optimizer",
-           cfg.server.optimizer, f"allowed: {', '.join(registry.SERVER_OPTIMIZERS)}")
+    one_of(p, "norm", cfg.norm, NORMS)
+    one_of(p, "server.optimizer", cfg.server.optimizer, registry.SERVER_OPTIMIZERS)
     require(p, cfg.server.lr is None or (finite(cfg.server.lr) and cfg.server.lr > 0),
            "server.lr", cfg.server.lr, "must be a finite number > 0 (null: the optimizer's "
            "default)")

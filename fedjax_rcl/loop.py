@@ -210,7 +210,7 @@ def new_run(cfg: CoreConfig, prepare: Callable[[], Any], *, command: str | None,
         if primary:
             with interrupts.critical():
                 rundir.atomic_write_text(run_dir / "config.yaml", to_yaml(cfg))
-            provenance.record(run_dir, command, 0)
+            provenance.record(run_dir, command, 0, cfg.plugins)
         yield run_dir, prepared
 
 
@@ -233,7 +233,7 @@ def resumed_records(run_dir: Path, cfg: CoreConfig, lines: list[str], *, command
     with interrupts.critical():
         rundir.atomic_write_text(run_dir / "metrics.jsonl", "".join(f"{x}\n" for x in lines))
         rundir.atomic_write_text(run_dir / "config.yaml", to_yaml(cfg))
-    provenance.record(run_dir, command, first)
+    provenance.record(run_dir, command, first, cfg.plugins)
 
 
 def load_run_config(run_dir: Path, overrides=()) -> tuple[CoreConfig, CoreConfig]:
@@ -242,8 +242,10 @@ def load_run_config(run_dir: Path, overrides=()) -> tuple[CoreConfig, CoreConfig
     path = Path(run_dir) / "config.yaml"
     if not path.is_file():
         raise ConfigError([f"run_dir={str(run_dir)!r}: no config.yaml; not a fedjax-rcl run"])
-    saved = load_config(str(path), [f"run_dir={run_dir}"])
-    wanted = load_config(str(path), [*overrides, f"run_dir={run_dir}"])
+    # Its plugins are looked up where the run found them too, so it continues from anywhere.
+    found = provenance.recorded_plugin_dirs(run_dir)
+    saved = load_config(str(path), [f"run_dir={run_dir}"], plugin_dirs=found)
+    wanted = load_config(str(path), [*overrides, f"run_dir={run_dir}"], plugin_dirs=found)
     return saved, wanted
 
 

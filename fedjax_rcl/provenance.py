@@ -7,10 +7,11 @@ in a run directory (``train``, each ``resume``, ``mfcl``) appends
 
 * its command line to ``commands.txt`` (the first line is the command that created the run),
 * one JSON line to ``environment.jsonl``: the command, the UTC start time, the round it
-  started from, the processor (model name, family/model numbers, the vector extensions that
-  change numerics or speed), the JAX backend and its devices, and the versions of Python and
-  of the packages that compute results (with the project's git commit when it runs from a
-  checkout).
+  started from, the working directory and where its plugins were imported from (``resume``
+  and ``eval`` look there too), the processor (model name, family/model numbers, the vector
+  extensions that change numerics or speed), the JAX backend and its devices, and the
+  versions of Python and of the packages that compute results (with the project's git commit
+  when it runs from a checkout).
 
 Both files are appended, never rewritten, so a resumed run keeps the record of every process.
 """
@@ -88,18 +89,38 @@ def devices() -> dict:
             "device_kinds": kinds}
 
 
-def environment(command: str | None, first_round: int) -> dict:
-    """One ``environment.jsonl`` record for a process starting at ``first_round``."""
+def environment(command: str | None, first_round: int, plugins=()) -> dict:
+    """One ``environment.jsonl`` record for a process starting at ``first_round``: also the
+    working directory and where the run's ``plugins`` were imported from."""
+    from fedjax_rcl import registry
+
     now = datetime.datetime.now(datetime.UTC).replace(microsecond=0)
     return {"command": command, "started_utc": now.isoformat(), "first_round": first_round,
-            "cpu": cpu(), **devices(), "versions": versions(), "git_commit": git_commit()}
+            "cwd": os.getcwd(), "plugin_dirs": registry.plugin_dirs(plugins), "cpu": cpu(),
+            **devices(), "versions": versions(), "git_commit": git_commit()}
 
 
-def record(run_dir: str | Path, command: str | None, first_round: int) -> None:
+def record(run_dir: str | Path, command: str | None, first_round: int, plugins=()) -> None:
     """Appends this process's command and environment to the run directory's records."""
     run_dir = Path(run_dir)
     if command:
         with open(run_dir / COMMANDS_FILE, "a") as f:
             f.write(command + "\n")
     with open(run_dir / ENVIRONMENT_FILE, "a") as f:
-        f.write(json.dumps(environment(command, first_round)) + "\n")
+        f.write(json.dumps(environment(command, first_round, plugins)) + "\n")
+
+
+def recorded_plugin_dirs(run_dir: str | Path) -> tuple[str, ...]:
+    """The directories a run's processes imported its plugins from, and ran in (newest
+    first): where ``resume`` and ``eval`` look for the plugins a run names."""
+    path = Path(run_dir) / ENVIRONMENT_FILE
+    if not path.is_file():
+        return ()
+    dirs: list[str] = []
+    for line in reversed(path.read_text().splitlines()):
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        dirs += [*record.get("plugin_dirs", {}).values(), record.get("cwd")]
+    return tuple(d for d in dict.fromkeys(dirs) if d)

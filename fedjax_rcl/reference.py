@@ -19,7 +19,7 @@ from collections.abc import Callable
 from fedjax_rcl import registry
 from fedjax_rcl.config import schema
 
-__all__ = ["KeyDoc", "attribute_docs", "keys", "markdown"]
+__all__ = ["KeyDoc", "attribute_docs", "keys", "markdown", "text"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,6 +146,41 @@ def markdown() -> str:
                          f"| {meaning} |")
         lines.append("")
     return "\n".join(lines)
+
+
+def _plain(doc: str) -> str:
+    return doc.replace("``", "`")
+
+
+def text(query: str | None = None, width: int = 100) -> str:
+    """The keys under ``query`` (a section such as ``fedrcl`` or ``server.fedadam``, or one
+    key such as ``fedrcl.beta``; None: every key) for a terminal: the key, its type and
+    default, its meaning, and the allowed values.
+
+    Raises:
+      ConfigError: ``query`` names no key or section (with the closest names).
+    """
+    import textwrap
+
+    from fedjax_rcl.validation import ConfigError, did_you_mean
+
+    every = keys()
+    chosen = [k for k in every
+              if query is None or k.key == query or k.key.startswith(f"{query}.")]
+    if not chosen:
+        names = sorted({k.key for k in every} | {k.section for k in every if k.section})
+        raise ConfigError([f"config {query!r}: no such key or section"
+                           f"{did_you_mean(query, names)}; sections: "
+                           f"{', '.join(dict.fromkeys(k.section for k in every if k.section))}"])
+    out = []
+    for k in chosen:
+        out.append(f"{k.key}: {k.type} = {_value(k.default)}")
+        body = _plain(k.doc)
+        if k.allowed:
+            body += f" Allowed: {', '.join(k.allowed)}."
+        out += textwrap.wrap(body, width=width, initial_indent="    ",
+                             subsequent_indent="    ")
+    return "\n".join(out) + "\n"
 
 
 if __name__ == "__main__":

@@ -236,15 +236,17 @@ def load_builtins() -> None:
         ep.load()
 
 
-def load_plugins(names) -> list[str]:
-    """Imports the user's modules named in ``plugins`` (dotted module names, looked up from the
-    current directory too, as ``python -m`` would). Returns one problem line per module that
-    cannot be imported."""
+def load_plugins(names, search=()) -> list[str]:
+    """Imports the user's modules named in ``plugins`` (dotted module names), looked up on
+    ``sys.path``, in the current directory (as ``python -m`` would) and in the directories
+    ``search``. Returns one problem line per module that cannot be imported, with a hint
+    where to run from."""
     global _importing_plugin
     load_builtins()  # first: a plugin's own imports must not make built-ins its entries
     problems = []
-    if os.getcwd() not in sys.path:
-        sys.path.append(os.getcwd())
+    for folder in (os.getcwd(), *search):
+        if folder and folder not in sys.path:
+            sys.path.append(folder)
     for name in names or ():
         if not isinstance(name, str) or not name:
             problems.append(f"plugins: {name!r}: give a module name such as my_algorithms")
@@ -254,10 +256,33 @@ def load_plugins(names) -> list[str]:
             importlib.import_module(name)
         except Exception as e:  # a plugin's import error, whatever it is, is a config problem
             first = str(e).splitlines()[0] if str(e) else ""
-            problems.append(f"plugins: cannot import {name!r} ({type(e).__name__}: {first})")
+            hint = ""
+            if isinstance(e, ModuleNotFoundError) and e.name == name.split(".")[0]:
+                looked = ", ".join(dict.fromkeys((os.getcwd(), *search)))
+                hint = (f"; looked in {looked} and on sys.path: run from the directory that "
+                        "holds it, or add that directory to PYTHONPATH")
+            problems.append(f"plugins: cannot import {name!r} ({type(e).__name__}: {first})"
+                            f"{hint}")
         finally:
             _importing_plugin = None
     return problems
+
+
+def plugin_dirs(names) -> dict[str, str]:
+    """``{module: directory}``: where each imported plugin module was found -- the directory
+    to put on ``sys.path`` to import it again (a run records it, so that ``resume`` and
+    ``eval`` find its plugins from anywhere)."""
+    out = {}
+    for name in names or ():
+        top = sys.modules.get(str(name).split(".")[0])
+        origin = getattr(top, "__file__", None)
+        if origin is None:
+            continue
+        path = os.path.dirname(os.path.abspath(origin))
+        if os.path.basename(origin) == "__init__.py":  # a package: its parent folder
+            path = os.path.dirname(path)
+        out[str(name)] = path
+    return out
 
 
 def provided_by(entry, plugins) -> bool:

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from fedjax_rcl.rundir import atomic_write_text
+from fedjax_rcl.validation import one_of
 
 WANDB_MODES = ("online", "offline", "disabled")
 
@@ -62,8 +63,7 @@ class TrackingConfig:
         if self.wandb and importlib.util.find_spec("wandb") is None:
             p.append("wandb=True: needs wandb, which is not installed (pip install wandb), or set "
                      "tracking.wandb=false")
-        if self.wandb_mode not in WANDB_MODES:
-            p.append(f"wandb_mode={self.wandb_mode!r}: allowed: {', '.join(WANDB_MODES)}")
+        one_of(p, "wandb_mode", self.wandb_mode, WANDB_MODES)
         if not self.wandb_project:
             p.append(f"wandb_project={self.wandb_project!r}: must be a non-empty name")
         return p

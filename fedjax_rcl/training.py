@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -23,7 +24,12 @@ from flax import struct
 
 from fedjax_rcl import interrupts, registry
 from fedjax_rcl.checkpoint import Checkpointer, Restored
-from fedjax_rcl.config import CoreConfig, config_digest, legacy_config_digest
+from fedjax_rcl.config import (
+    CoreConfig,
+    config_digest,
+    degenerate_settings,
+    legacy_config_digest,
+)
 from fedjax_rcl.data import ImageDataset
 from fedjax_rcl.engine.round import ServerState, clients_per_round
 from fedjax_rcl.engine.sharding import initialize_distributed, is_primary, to_host
@@ -234,8 +240,14 @@ def _run(exp: Experiment, run_dir: Path, ckpt: Checkpointer, state: ServerState,
     return {**record, "compile_s": program.compile_s, "run_dir": str(run_dir)}
 
 
+def warn_stderr(message: str) -> None:
+    """A warning line on standard error, as the command line prints it."""
+    print(f"fedjax-rcl: warning: {message}", file=sys.stderr, flush=True)
+
+
 def train(cfg: CoreConfig, *, dataset: ImageDataset | None = None, progress: bool = True,
-          log: Callable[[str], None] = print, command: str | None = None) -> dict:
+          log: Callable[[str], None] = print, command: str | None = None,
+          warn: Callable[[str], None] = warn_stderr) -> dict:
     """Runs ``cfg.rounds`` rounds from scratch; returns the last metrics record.
 
     Writes to the run directory: ``config.yaml`` (resolved), ``metrics.jsonl`` (one object per
@@ -254,6 +266,9 @@ def train(cfg: CoreConfig, *, dataset: ImageDataset | None = None, progress: boo
                            "(train runs the client algorithms)"])
     _join_cluster(cfg)
     log = log if is_primary() else _silent
+    if is_primary():
+        for line in degenerate_settings(cfg):
+            warn(line)
 
     def prepare() -> Experiment:
         log(f"loading data: {cfg.dataset} ...")

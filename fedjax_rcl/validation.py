@@ -9,10 +9,13 @@ imports nothing else from the package, so every layer may use it.
 
 from __future__ import annotations
 
+import difflib
 import math
+from collections.abc import Iterable
 from typing import NamedTuple
 
-__all__ = ["CheckContext", "ConfigError", "check_levels", "finite", "require"]
+__all__ = ["CheckContext", "ConfigError", "check_levels", "did_you_mean", "finite", "one_of",
+           "require"]
 
 
 class ConfigError(ValueError):
@@ -52,6 +55,22 @@ def require(problems: list[str], ok: bool, name: str, value, allowed: str) -> No
     """Appends ``"name=value: allowed"`` to ``problems`` unless ``ok``."""
     if not ok:
         problems.append(f"{name}={value!r}: {allowed}")
+
+
+def did_you_mean(value, allowed: Iterable[str]) -> str:
+    """``" (did you mean 'x'?)"`` for the allowed name closest to a misspelt ``value``, or
+    ``""`` when none is close (``difflib``'s ratio of at least 0.6)."""
+    close = difflib.get_close_matches(str(value), [str(a) for a in allowed], n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def one_of(problems: list[str], name: str, value, allowed: Iterable[str]) -> None:
+    """Appends ``"name=value: allowed: a, b, c"`` with a suggestion for a misspelling unless
+    ``value`` is one of ``allowed``."""
+    allowed = list(allowed)
+    if value not in allowed:
+        problems.append(f"{name}={value!r}: allowed: {', '.join(map(str, allowed))}"
+                        f"{did_you_mean(value, allowed)}")
 
 
 def check_levels(levels, ctx: CheckContext) -> list[str]:

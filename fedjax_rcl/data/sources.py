@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from fedjax_rcl.data.cache import CACHE_FORMAT_VERSION, cached_arrays, default_cache_dir
 from fedjax_rcl.data.dataset import DataError, ImageDataset, channel_stats
+from fedjax_rcl.validation import did_you_mean
 
 __all__ = [
     "CACHE_FORMAT_VERSION",
@@ -53,7 +54,8 @@ def _parse_spec(spec: str) -> tuple[str, str | None]:
             raise DataError(f"dataset spec {spec!r} names no path; write 'imagefolder:PATH' with"
                             " PATH a directory or .zip holding train/<class>/* and test/<class>/*")
         return "imagefolder", path
-    raise DataError(f"unknown dataset {spec!r}; allowed: {_ALLOWED}")
+    close = did_you_mean(spec, ("digits", "tiny_imagenet", *TFDS_NAMES))
+    raise DataError(f"unknown dataset {spec!r}; allowed: {_ALLOWED}{close}")
 
 
 def load_dataset(spec: str, *, data_dir: str | None = None,

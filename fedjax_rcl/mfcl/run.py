@@ -403,7 +403,7 @@ def resume_mfcl(run_dir: Path, cfg: CoreConfig, *, force: bool = False,
         with interrupts.critical():
             _trim_metrics(run_dir / "metrics.jsonl", done1, done2)
             (run_dir / "resources.json").unlink(missing_ok=True)
-        provenance.record(run_dir, command, done1)
+        provenance.record(run_dir, command, done1, cfg.plugins)
         where = f"phase 2 epoch {done2}" if started2 else f"phase 1 round {done1}"
         interrupts.resume_status(run_dir, where)
         log(_describe(exp, run_dir))
