@@ -1,24 +1,38 @@
-"""The entry points of runs, for the command line and for Python: start, continue, evaluate.
+"""Runs from Python: start, continue and evaluate a run, and get its metrics back.
+
+    import fedjax_rcl
+
+    run = fedjax_rcl.train(None, "algorithm=fedavg", "rounds=20")   # the command line's keys
+    run.metrics[-1]["test_accuracy"]                               # every evaluation, in order
+    run = fedjax_rcl.resume(run.run_dir, "rounds=40")               # identical to never stopping
 
 Each command that trains is a *program* over the shared run loop (``fedjax_rcl.loop``):
 ``train`` (``fedjax_rcl.training``: federated rounds) and ``mfcl`` (``fedjax_rcl.mfcl.run``:
 MFCL's two phases and probe). A registered algorithm names the command that runs it
 (``registry.AlgorithmEntry.command``), so ``resume`` continues any run by reading which
 program its config belongs to; neither program knows the other.
+
+Bad input raises ``ConfigError`` (or ``DataError`` for unreadable data) before anything is
+compiled, its message the lines the command line prints; a non-finite loss raises
+``TrainingError`` naming the round and the client, the last complete checkpoint intact.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import dataclasses
+import json
+import os
+import warnings
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from fedjax_rcl import registry, training
-from fedjax_rcl.config import CoreConfig
+from fedjax_rcl.config import CoreConfig, load_config, to_dict
 from fedjax_rcl.data import ImageDataset
-from fedjax_rcl.loop import resume_config
+from fedjax_rcl.loop import Callback, load_run_config, resume_config
 from fedjax_rcl.mfcl import run as mfcl_run
 
-__all__ = ["PROGRAMS", "evaluate", "resume", "start"]
+__all__ = ["PROGRAMS", "Run", "evaluate", "load", "resume", "train"]
 
 # command -> (start(cfg, **kw), continue_run(run_dir, cfg, **kw)).
 PROGRAMS: dict[str, tuple[Callable[..., dict], Callable[..., dict]]] = {
@@ -27,28 +41,127 @@ PROGRAMS: dict[str, tuple[Callable[..., dict], Callable[..., dict]]] = {
 }
 
 
-def _program(cfg: CoreConfig):
-    return PROGRAMS[registry.algorithm(cfg.algorithm).command]
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """A run directory after a ``train`` or ``resume`` from Python.
+
+    Attributes:
+      run_dir: the run directory.
+      config: its resolved config.
+      metrics: every metrics line of the run, in order (``metrics.jsonl``; the lines of earlier
+        processes of a resumed run included).
+      stopped_early: a callback stopped the run before its last round (it resumes from there).
+    """
+
+    run_dir: Path
+    config: CoreConfig
+    metrics: list[dict]
+    stopped_early: bool = False
+
+    @property
+    def last(self) -> dict | None:
+        """The last metrics line (None before the first evaluation)."""
+        return self.metrics[-1] if self.metrics else None
 
 
-def start(cfg: CoreConfig, **kwargs) -> dict:
-    """Starts a run of ``cfg`` with the program its algorithm names; returns its last
-    metrics record."""
-    return _program(cfg)[0](cfg, **kwargs)
+def _silent(message: str) -> None:
+    del message
 
 
-def resume(run_dir: str | Path, overrides=(), *, force: bool = False,
-           dataset: ImageDataset | None = None, progress: bool = True,
-           log: Callable[[str], None] = print, command: str | None = None) -> dict:
-    """Continues any run from its newest complete checkpoint, identically to an
-    uninterrupted run. Overrides that would change its results are refused unless
-    ``force``."""
+def _warn(message: str) -> None:
+    warnings.warn(f"fedjax-rcl: {message}", UserWarning, stacklevel=4)
+
+
+def _lines(run_dir: Path) -> list[dict]:
+    """Every complete line of a run's ``metrics.jsonl`` (a torn last line is skipped)."""
+    path = run_dir / "metrics.jsonl"
+    rows = []
+    for line in path.read_text().splitlines() if path.is_file() else ():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return rows
+
+
+def _read(run_dir: Path, cfg: CoreConfig, result: dict) -> Run:
+    return Run(run_dir, cfg, _lines(run_dir), bool(result.get("stopped_early", False)))
+
+
+def _config(config, overrides) -> CoreConfig:
+    """A config from ``None`` (the defaults), a mapping (a YAML file's content), a YAML path
+    or a built config, with ``key=value`` overrides on top."""
+    if isinstance(config, CoreConfig):
+        if not overrides:
+            return config
+        config = to_dict(config)
+    if config is None or isinstance(config, Mapping):
+        return load_config(None, list(overrides), defaults=dict(config or {}))
+    if isinstance(config, str | os.PathLike):
+        return load_config(os.fspath(config), list(overrides))
+    raise TypeError(f"config: a dict, a YAML path, a config or None, not {type(config)}")
+
+
+def train(config=None, *overrides: str, callbacks: tuple[Callback, ...] = (),
+          progress: bool = False, dataset: ImageDataset | None = None,
+          log: Callable[[str], None] | None = None, command: str | None = None) -> Run:
+    """Starts a run and trains it to ``rounds``.
+
+    Args:
+      config: None (the defaults: the offline main job), a dict of keys (nested or dotted
+        sections as in a YAML file), a YAML file's path, or a config.
+      *overrides: ``key=value`` strings, as on the command line (``"rounds=50"``,
+        ``"fedrcl.beta=2"``).
+      callbacks: each is called with every metrics line as it is written; a true return value
+        stops the run cleanly after that evaluation (it is checkpointed there and
+        ``resume`` continues it).
+      progress: print the command line's progress lines (a bar on a terminal); False: quiet.
+      dataset: an already loaded dataset to use instead of ``config.dataset``'s.
+      log: where progress lines go (default: ``print`` when ``progress``).
+
+    Returns:
+      The ``Run``: its directory, config and every metrics line.
+
+    Raises:
+      ConfigError, DataError: bad settings or data, before anything is compiled.
+      TrainingError: a non-finite local loss (the last complete checkpoint stays).
+    """
+    cfg = _config(config, overrides)
+    log = log or (print if progress else _silent)
+    start = PROGRAMS[registry.algorithm(cfg.algorithm).command][0]
+    kwargs = dict(dataset=dataset, log=log, command=command, callbacks=tuple(callbacks),
+                  progress=progress)
+    if start is training.train:
+        kwargs["warn"] = _warn
+    result = start(cfg, **kwargs)
+    return _read(Path(result["run_dir"]), cfg, result)
+
+
+def resume(run_dir: str | os.PathLike, *overrides: str, force: bool = False,
+           callbacks: tuple[Callback, ...] = (), progress: bool = False,
+           dataset: ImageDataset | None = None, log: Callable[[str], None] | None = None,
+           command: str | None = None) -> Run:
+    """Continues any run from its newest complete checkpoint, identically to an uninterrupted
+    run. ``overrides`` that would change its results (anything but ``rounds``, the checkpoint
+    and analysis intervals, the trackers, ...) are refused unless ``force``; the other
+    arguments are ``train``'s."""
     run_dir = Path(run_dir)
-    cfg = resume_config(run_dir, overrides, force=force)
-    return _program(cfg)[1](run_dir, cfg, force=force, dataset=dataset, progress=progress,
-                            log=log, command=command)
+    cfg = resume_config(run_dir, list(overrides), force=force)
+    log = log or (print if progress else _silent)
+    result = PROGRAMS[registry.algorithm(cfg.algorithm).command][1](
+        run_dir, cfg, force=force, dataset=dataset, progress=progress, log=log,
+        command=command, callbacks=tuple(callbacks))
+    return _read(run_dir, cfg, result)
 
 
-def evaluate(run_dir: str | Path, *, dataset: ImageDataset | None = None) -> dict:
-    """Evaluates a federated run's newest complete checkpoint on the full test set."""
+def evaluate(run_dir: str | os.PathLike, *, dataset: ImageDataset | None = None) -> dict:
+    """Evaluates a federated run's newest complete checkpoint on the full test set:
+    ``{"run_dir", "round", "test_accuracy", "test_loss", "test_accuracy_ema"}``."""
     return training.evaluate_run(run_dir, dataset=dataset)
+
+
+def load(run_dir: str | os.PathLike) -> Run:
+    """A run directory read back (its config and every metrics line), without running."""
+    run_dir = Path(run_dir)
+    _, cfg = load_run_config(run_dir)
+    return _read(run_dir, cfg, {})

@@ -164,8 +164,8 @@ def _command(argv: list[str] | None) -> int:
         if args.command == "resume":
             from fedjax_rcl.api import resume
 
-            resume(args.run_dir, args.overrides, force=args.force,
-                   progress=not args.no_progress, command=command_line)
+            resume(args.run_dir, *args.overrides, force=args.force,
+                   progress=not args.no_progress, log=print, command=command_line)
             return 0
         if args.command == "report":
             from fedjax_rcl.report import ReportError, report

@@ -306,7 +306,7 @@ def load_config(path: str | None = None, overrides: list[str] | tuple[str, ...] 
     """
     from fedjax_rcl import registry
 
-    layers = [OmegaConf.create(defaults)] if defaults else []
+    layers = [_plugins_as_list(OmegaConf.create(defaults))] if defaults else []
     if path is not None:
         try:
             loaded = OmegaConf.load(path)

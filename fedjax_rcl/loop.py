@@ -47,7 +47,7 @@ from fedjax_rcl.engine.sharding import is_primary
 from fedjax_rcl.tracking import Trackers
 from fedjax_rcl.validation import ConfigError
 
-__all__ = ["Sink", "Stage", "TrainingError", "load_run_config", "locked_run", "new_run",
+__all__ = ["Callback", "Sink", "Stage", "TrainingError", "load_run_config", "locked_run", "new_run",
            "progress_text", "resume_config", "resumed_records", "run_stage", "save_checkpoint"]
 
 
@@ -144,13 +144,22 @@ def progress_text(label: str, unit: str, done: int, total: int, numbers: str,
     return f"{label} {done}/{total}  {numbers}  {rate:.2f} {unit}/s  ETA {_eta(left)}"
 
 
+# ``callback(record) -> stop``: sees every metrics line as it is written; a true return value
+# stops the run cleanly after that evaluation (a checkpoint is made there, so it resumes).
+Callback = Callable[[dict], Any]
+
+
 def run_stage(stage: Stage, state, done: int, *, run_dir: Path, sink: Sink,
-              progress: bool = False, log: Callable[[str], None] = print) -> tuple[Any, dict]:
+              progress: bool = False, log: Callable[[str], None] = print,
+              callbacks: tuple[Callback, ...] = ()) -> tuple[Any, dict, bool]:
     """Advances ``state`` from step ``done`` to ``stage.total`` (see the module docstring).
 
+    Every metrics line goes to each of ``callbacks`` once written; when one of them returns a
+    true value, the stage checkpoints at that step (if it has not just done so) and stops.
+
     Returns:
-      ``(state, record)``: the final state and the last metrics line (``{}`` when the stage
-      was already complete).
+      ``(state, record, stopped)``: the state reached, the last metrics line (``{}`` when the
+      stage was already complete), and whether a callback stopped the stage early.
     """
     from tqdm import tqdm
 
@@ -172,8 +181,9 @@ def run_stage(stage: Stage, state, done: int, *, run_dir: Path, sink: Sink,
             record = stage.record(state, out, done, n, block_s,
                                   time.perf_counter() - start)
             sink.write(record)
-            if done == stage.total or (stage.checkpoint_every
-                                       and done - last_saved >= stage.checkpoint_every):
+            stopped = any([bool(callback(record)) for callback in callbacks])
+            if done == stage.total or stopped or (
+                    stage.checkpoint_every and done - last_saved >= stage.checkpoint_every):
                 last_saved = done
                 tree, meta = stage.checkpoint(state, done, record)
                 save_checkpoint(stage.checkpointer, run_dir, done, tree, meta,
@@ -184,9 +194,13 @@ def run_stage(stage: Stage, state, done: int, *, run_dir: Path, sink: Sink,
                 log(progress_text(stage.label, stage.unit, done, stage.total,
                                   stage.describe(record), done - first,
                                   time.perf_counter() - start))
+            if stopped:
+                log(f"stopped by a callback at {stage.label} {done}; continue with: "
+                    f"fedjax-rcl resume {run_dir}")
+                return state, record, True
     finally:
         bar.close()
-    return state, record
+    return state, record, False
 
 
 @contextlib.contextmanager

@@ -36,6 +36,7 @@ from fedjax_rcl.engine.sharding import initialize_distributed, is_primary, to_ho
 from fedjax_rcl.engine.tables import Advance
 from fedjax_rcl.experiment import Experiment, build
 from fedjax_rcl.loop import (
+    Callback,
     Sink,
     Stage,
     TrainingError,
@@ -206,7 +207,7 @@ def _rounds_stage(exp: Experiment, program: Program, ckpt: Checkpointer, acc_ema
 
 
 def _run(exp: Experiment, run_dir: Path, ckpt: Checkpointer, state: ServerState, done: int,
-         acc_ema: float | None, *, progress: bool, log) -> dict:
+         acc_ema: float | None, *, progress: bool, log, callbacks=()) -> dict:
     """From round ``done`` to ``cfg.rounds`` through the run loop, then the plot."""
     from fedjax_rcl.plots import plot_metrics
 
@@ -220,8 +221,9 @@ def _run(exp: Experiment, run_dir: Path, ckpt: Checkpointer, state: ServerState,
         sink = Sink(run_dir, cfg, resumed_at=done)
         first, start = done, time.perf_counter()
         try:
-            state, record = run_stage(stage, state, done, run_dir=run_dir, sink=sink,
-                                      progress=progress, log=log)
+            state, record, stopped = run_stage(stage, state, done, run_dir=run_dir,
+                                               sink=sink, progress=progress, log=log,
+                                               callbacks=callbacks)
         finally:
             sink.close()
         elapsed = time.perf_counter() - start
@@ -232,12 +234,14 @@ def _run(exp: Experiment, run_dir: Path, ckpt: Checkpointer, state: ServerState,
                      title=f"{cfg.algorithm} · {cfg.model} · {cfg.dataset}",
                      ema_decay=cfg.ema_decay, eval_every=cfg.eval_every)
     if record:
-        rate = (cfg.rounds - first) / elapsed
-        log(f"done: rounds {first}..{cfg.rounds} in {elapsed:.1f} s ({rate:.2f} rounds/s, "
+        last = record["round"]
+        rate = (last - first) / elapsed
+        log(f"done: rounds {first}..{last} in {elapsed:.1f} s ({rate:.2f} rounds/s, "
             f"compile {program.compile_s:.1f} s); test accuracy {record['test_accuracy']:.4f}, "
             f"EMA {record['test_accuracy_ema']:.4f}; metrics in {run_dir / 'metrics.jsonl'}, "
             f"plot {run_dir / 'accuracy.png'}")
-    return {**record, "compile_s": program.compile_s, "run_dir": str(run_dir)}
+    return {**record, "compile_s": program.compile_s, "run_dir": str(run_dir),
+            "stopped_early": stopped}
 
 
 def warn_stderr(message: str) -> None:
@@ -247,7 +251,8 @@ def warn_stderr(message: str) -> None:
 
 def train(cfg: CoreConfig, *, dataset: ImageDataset | None = None, progress: bool = True,
           log: Callable[[str], None] = print, command: str | None = None,
-          warn: Callable[[str], None] = warn_stderr) -> dict:
+          warn: Callable[[str], None] = warn_stderr, callbacks: tuple[Callback, ...] = ()
+          ) -> dict:
     """Runs ``cfg.rounds`` rounds from scratch; returns the last metrics record.
 
     Writes to the run directory: ``config.yaml`` (resolved), ``metrics.jsonl`` (one object per
@@ -280,12 +285,14 @@ def train(cfg: CoreConfig, *, dataset: ImageDataset | None = None, progress: boo
         # A run always has a checkpoint.
         save_checkpoint(ckpt, run_dir, 0, exp.table.checkpoint(exp.state),
                         _checkpoint_meta(cfg, 0, None), "round 0")
-        return _run(exp, run_dir, ckpt, exp.state, 0, None, progress=progress, log=log)
+        return _run(exp, run_dir, ckpt, exp.state, 0, None, progress=progress, log=log,
+                    callbacks=callbacks)
 
 
 def resume(run_dir: str | Path, overrides=(), *, force: bool = False,
            dataset: ImageDataset | None = None, progress: bool = True,
-           log: Callable[[str], None] = print, command: str | None = None) -> dict:
+           log: Callable[[str], None] = print, command: str | None = None,
+           callbacks: tuple[Callback, ...] = ()) -> dict:
     """Continues a run from its newest complete checkpoint (e.g. to more ``rounds``).
 
     The result is identical to a run that was never interrupted: the checkpoint holds
@@ -296,12 +303,14 @@ def resume(run_dir: str | Path, overrides=(), *, force: bool = False,
     """
     run_dir = Path(run_dir)
     return continue_run(run_dir, resume_config(run_dir, overrides, force=force), force=force,
-                        dataset=dataset, progress=progress, log=log, command=command)
+                        dataset=dataset, progress=progress, log=log, command=command,
+                        callbacks=callbacks)
 
 
 def continue_run(run_dir: Path, cfg: CoreConfig, *, force: bool = False,
                  dataset: ImageDataset | None = None, progress: bool = True,
-                 log: Callable[[str], None] = print, command: str | None = None) -> dict:
+                 log: Callable[[str], None] = print, command: str | None = None,
+                 callbacks: tuple[Callback, ...] = ()) -> dict:
     """``resume`` with the config already read and checked (``loop.resume_config``)."""
     runs_with = registry.algorithm(cfg.algorithm).command
     if runs_with != "train":
@@ -310,12 +319,13 @@ def continue_run(run_dir: Path, cfg: CoreConfig, *, force: bool = False,
     _join_cluster(cfg)
     with locked_run(run_dir, primary=is_primary()):
         return _resume_locked(run_dir, cfg, force=force, dataset=dataset, progress=progress,
-                              log=log if is_primary() else _silent, command=command)
+                              log=log if is_primary() else _silent, command=command,
+                              callbacks=callbacks)
 
 
 def _resume_locked(run_dir: Path, cfg: CoreConfig, *, force: bool,
                    dataset: ImageDataset | None, progress: bool, log,
-                   command: str | None) -> dict:
+                   command: str | None, callbacks=()) -> dict:
     log(f"loading data: {cfg.dataset} ...")
     exp = build(cfg, dataset)
     ckpt = Checkpointer(run_dir / "checkpoints", keep=cfg.keep_checkpoints)
@@ -344,7 +354,7 @@ def _resume_locked(run_dir: Path, cfg: CoreConfig, *, force: bool,
     log(f"resuming from the checkpoint of round {done} (of {cfg.rounds})")
     state = exp.table.restore(restored.state)
     return _run(exp, run_dir, ckpt, state, done, restored.meta.get("test_accuracy_ema"),
-                progress=progress, log=log)
+                progress=progress, log=log, callbacks=callbacks)
 
 
 def load_run(run_dir: str | Path, *, dataset: ImageDataset | None = None):

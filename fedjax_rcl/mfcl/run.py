@@ -130,7 +130,8 @@ def client_encoder(exp: Experiment):
     return make
 
 
-def _phase1(exp: Experiment, run_dir: Path, state, done: int, sink: Sink, log) -> object:
+def _phase1(exp: Experiment, run_dir: Path, state, done: int, sink: Sink, log,
+            callbacks=()) -> tuple[object, bool]:
     """Phase 1: the engine's federated rounds of the reconstruction objective, through the
     run loop, evaluated by the test images' reconstruction BCE."""
     cfg = exp.cfg
@@ -143,7 +144,7 @@ def _phase1(exp: Experiment, run_dir: Path, state, done: int, sink: Sink, log) -
         if done == 0 and not ckpt.steps():
             save_checkpoint(ckpt, run_dir, 0, state, meta(0), "phase 1 round 0")
         if done >= cfg.rounds:
-            return state
+            return state, False
         log("phase 1: compiling the round (clients x local steps, one program)...")
         t0 = time.perf_counter()
         advance_rounds = exp.compile_rounds()
@@ -170,8 +171,9 @@ def _phase1(exp: Experiment, run_dir: Path, state, done: int, sink: Sink, log) -
                       checkpointer=ckpt,
                       describe=lambda r: (f"train BCE {r['train_bce']:.4f}  test BCE "
                                           f"{r['test_bce']:.4f}"))
-        state, _ = run_stage(stage, state, done, run_dir=run_dir, sink=sink, log=log)
-        return state
+        state, _, stopped = run_stage(stage, state, done, run_dir=run_dir, sink=sink, log=log,
+                                      callbacks=callbacks)
+        return state, stopped
     finally:
         ckpt.close()
 
@@ -209,7 +211,8 @@ def represent_all(exp: Experiment, encode, pool: np.ndarray, segments: list[int]
     return jnp.concatenate(firsts + seconds)
 
 
-def _phase2(exp: Experiment, run_dir: Path, encode, resuming: bool, sink: Sink, log):
+def _phase2(exp: Experiment, run_dir: Path, encode, resuming: bool, sink: Sink, log,
+            callbacks=()):
     """Phase 2: the server's NT-Xent training on the clients' representations, one compiled
     program per epoch, through the run loop."""
     cfg, m = exp.cfg, exp.cfg.mfcl
@@ -265,7 +268,10 @@ def _phase2(exp: Experiment, run_dir: Path, encode, resuming: bool, sink: Sink, 
                           checkpoint=lambda state, done, line: (state, meta(done)),
                           checkpointer=ckpt,
                           describe=lambda r: f"NT-Xent {r['server_loss']:.4f}")
-            state, _ = run_stage(stage, state, done, run_dir=run_dir, sink=sink, log=log)
+            state, _, stopped = run_stage(stage, state, done, run_dir=run_dir, sink=sink,
+                                          log=log, callbacks=callbacks)
+            if stopped:
+                return model, None
         return model, state
     finally:
         ckpt.close()
@@ -318,12 +324,17 @@ def _describe(exp: Experiment, run_dir: Path) -> str:
             f"{cfg.num_clients} clients (alpha {cfg.alpha})  |  backend {jax.default_backend()}")
 
 
-def _loop(exp: Experiment, run_dir: Path, state, done1: int, phase2_started: bool, log) -> dict:
+def _loop(exp: Experiment, run_dir: Path, state, done1: int, phase2_started: bool, log,
+          callbacks=()) -> dict:
     sink = Sink(run_dir)
     try:
-        state = _phase1(exp, run_dir, state, done1, sink, log)
+        state, stopped = _phase1(exp, run_dir, state, done1, sink, log, callbacks)
+        if stopped:
+            return {"run_dir": str(run_dir), "stopped_early": True}
         encode = client_encoder(exp)(state.params, state.model_state)
-        model, server = _phase2(exp, run_dir, encode, phase2_started, sink, log)
+        model, server = _phase2(exp, run_dir, encode, phase2_started, sink, log, callbacks)
+        if server is None:
+            return {"run_dir": str(run_dir), "stopped_early": True}
         log("linear probe on the frozen features...")
         probe = _probe(exp, encode, model, server)
         resources = _resources(exp)
@@ -340,7 +351,8 @@ def _loop(exp: Experiment, run_dir: Path, state, done1: int, phase2_started: boo
 
 
 def run_mfcl(cfg: CoreConfig, *, dataset: ImageDataset | None = None,
-             log: Callable[[str], None] = print, command: str | None = None) -> dict:
+             log: Callable[[str], None] = print, command: str | None = None,
+             progress: bool = True, callbacks=()) -> dict:
     """Runs MFCL from scratch (``cfg.algorithm == "mfcl"``); returns the probe's record."""
     if cfg.algorithm != "mfcl":
         raise ConfigError([f"algorithm={cfg.algorithm!r}: the mfcl command runs algorithm=mfcl"])
@@ -349,9 +361,10 @@ def run_mfcl(cfg: CoreConfig, *, dataset: ImageDataset | None = None,
         log(f"loading data: {cfg.dataset} ...")
         return build(cfg, mfcl_dataset(cfg, dataset))
 
+    del progress  # MFCL prints a line per evaluation
     with new_run(cfg, prepare, command=command) as (run_dir, exp):
         log(_describe(exp, run_dir))
-        return _loop(exp, run_dir, exp.state, 0, False, log)
+        return _loop(exp, run_dir, exp.state, 0, False, log, callbacks)
 
 
 def _trim_metrics(path: Path, done1: int, done2: int) -> None:
@@ -373,7 +386,8 @@ def _trim_metrics(path: Path, done1: int, done2: int) -> None:
 
 def resume_mfcl(run_dir: Path, cfg: CoreConfig, *, force: bool = False,
                 dataset: ImageDataset | None = None, progress: bool = True,
-                log: Callable[[str], None] = print, command: str | None = None) -> dict:
+                log: Callable[[str], None] = print, command: str | None = None,
+                callbacks=()) -> dict:
     """Continues an MFCL run in whichever phase it stopped; identical to an uninterrupted
     run. ``cfg`` is the run's config as ``loop.resume_config`` checked it."""
     del progress  # MFCL prints a line per evaluation
@@ -408,7 +422,7 @@ def resume_mfcl(run_dir: Path, cfg: CoreConfig, *, force: bool = False,
         interrupts.resume_status(run_dir, where)
         log(_describe(exp, run_dir))
         log(f"resuming from the checkpoint of {where}")
-        return _loop(exp, run_dir, state, done1, started2, log)
+        return _loop(exp, run_dir, state, done1, started2, log, callbacks)
 
 
 def resume(run_dir: str | Path, overrides=(), *, force: bool = False, **kwargs) -> dict:

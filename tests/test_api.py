@@ -1,0 +1,78 @@
+"""The Python entry points: the documented example runs, callbacks stop a run cleanly and a
+stopped run resumes to the uninterrupted result, bad input raises the command line's message."""
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import fedjax_rcl
+
+DOC = Path(__file__).resolve().parents[1] / "docs" / "python.md"
+TINY = ["algorithm=fedavg", "num_clients=4", "participation=0.5", "local_epochs=1",
+        "partition=iid"]
+
+
+def _rows(run_dir):
+    rows = [json.loads(x) for x in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in r.items() if not k.endswith("_s")} for r in rows]
+
+
+@pytest.mark.slow
+def test_the_documented_example_runs(tmp_path):
+    code = re.search(r"```python\n(.*?)```", DOC.read_text(), re.S).group(1)
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout.splitlines()
+    assert out[0].startswith("5 evaluations; test accuracy")
+    assert out[1].startswith("stopped early: True at round")
+    assert "'round':" in out[2] and out[3] == "refused: rounds=0: must be >= 1"
+    assert (tmp_path / "runs" / "from-python" / "config.yaml").is_file()
+
+
+def test_a_callback_stops_the_run_cleanly_and_resume_gives_the_uninterrupted_result(tmp_path):
+    whole = fedjax_rcl.train(None, *TINY, "rounds=4", f"run_dir={tmp_path / 'whole'}")
+    assert [r["round"] for r in whole.metrics] == [1, 2, 3, 4] and not whole.stopped_early
+    seen = []
+
+    def stop_at_2(record):
+        seen.append(record["round"])
+        return record["round"] == 2
+
+    part = fedjax_rcl.train(None, *TINY, "rounds=4", f"run_dir={tmp_path / 'part'}",
+                            callbacks=[stop_at_2])
+    assert part.stopped_early and seen == [1, 2] and part.last["round"] == 2
+    assert fedjax_rcl.evaluate(part.run_dir)["round"] == 2  # checkpointed where it stopped
+    again = fedjax_rcl.resume(part.run_dir)
+    assert not again.stopped_early and [r["round"] for r in again.metrics] == [1, 2, 3, 4]
+    assert _rows(again.run_dir) == _rows(whole.run_dir)
+    loaded = fedjax_rcl.load(part.run_dir)
+    assert loaded.config.rounds == 4 and loaded.metrics == again.metrics
+
+
+def test_configs_from_a_dict_a_yaml_path_and_overrides(tmp_path):
+    path = tmp_path / "exp.yaml"
+    path.write_text("algorithm: fedavg\nrounds: 1\nnum_clients: 4\nlocal_epochs: 1\n")
+    run = fedjax_rcl.train(str(path), "partition=iid", f"run_dir={tmp_path / 'a'}")
+    assert run.config.rounds == 1 and run.config.partition == "iid" and len(run.metrics) == 1
+    run = fedjax_rcl.train({"algorithm": "fedavg", "rounds": 1, "num_clients": 4,
+                            "local_epochs": 1, "server": {"lr": 0.5}},
+                           f"run_dir={tmp_path / 'b'}")
+    assert run.config.server.lr == 0.5
+
+
+def test_bad_input_raises_the_command_lines_message(tmp_path):
+    with pytest.raises(fedjax_rcl.ConfigError) as err:
+        fedjax_rcl.train({"rounds": 0, "algorithm": "fedrc"}, f"run_dir={tmp_path / 'x'}")
+    assert err.value.problems[0] == "algorithm='fedrc': allowed: " + ", ".join(
+        fedjax_rcl.registry.ALGORITHMS) + " (did you mean 'fedrcl'?)"
+    assert "rounds=0: must be >= 1" in err.value.problems
+    assert not (tmp_path / "x").exists()
+    with pytest.raises(fedjax_rcl.ConfigError, match="no config.yaml; not a fedjax-rcl run"):
+        fedjax_rcl.resume(tmp_path)
+    with pytest.raises(TypeError, match="a dict, a YAML path"):
+        fedjax_rcl.train(42)
