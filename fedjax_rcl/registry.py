@@ -1,5 +1,5 @@
-"""What the config can name: algorithms, models and server optimizers, each registered by its
-own module, built-in or the user's.
+"""What the config can name: algorithms, models, server optimizers and datasets, each registered
+by its own module, built-in or the user's.
 
 An entry names its builder and, optionally, a config section: a dataclass of hyperparameters
 with defaults that becomes a key of the run config (``fedprox.mu``, ``server.fedadam.tau``),
@@ -137,9 +137,32 @@ class ServerOptimizerEntry:
     origin: str | None = None
 
 
+@dataclasses.dataclass(frozen=True)
+class DatasetEntry:
+    """A dataset the config can name (``dataset=``).
+
+    Attributes:
+      name: the value.
+      loader: called with keyword arguments (``data_dir``, the config's, when it takes it),
+        returns a mapping with ``train_images`` and ``test_images`` (uint8 ``[N, H, W, C]``),
+        ``train_labels`` and ``test_labels`` (integers in ``0 .. len(class_names) - 1``),
+        ``class_names`` and optionally ``mean``/``std`` (per channel, in [0, 1] pixel units;
+        default: the training images' statistics) and ``hflip`` (whether horizontal flips keep
+        the labels; default true). See ``fedjax_rcl.data.sources.from_arrays``.
+      origin: as ``AlgorithmEntry.origin``.
+    """
+
+    name: str
+    loader: Callable[..., Any]
+    origin: str | None = None
+
+
 ALGORITHMS: dict[str, AlgorithmEntry] = {}
 MODELS: dict[str, ModelEntry] = {}
 SERVER_OPTIMIZERS: dict[str, ServerOptimizerEntry] = {}
+DATASETS: dict[str, DatasetEntry] = {}
+# Dataset names the data sources own (``imagefolder:PATH`` is a prefix).
+BUILTIN_DATASETS = ("digits", "cifar10", "cifar100", "tiny_imagenet")
 # Config keys an algorithm section may not take (the run config's own top-level keys); set by
 # ``fedjax_rcl.config``.
 RESERVED_KEYS: set[str] = set()
@@ -208,6 +231,19 @@ def register_server_optimizer(name: str, build: Callable, *, config: type | None
         raise ValueError(f"server optimizer {name!r}: a core key of the server section")
     entry = ServerOptimizerEntry(name, build, config, default_lr, _importing_plugin)
     _add(SERVER_OPTIMIZERS, entry, "server optimizer", replace)
+    return entry
+
+
+def register_dataset(name: str, loader: Callable[..., Any], *,
+                     replace: bool = False) -> DatasetEntry:
+    """Makes ``dataset=name`` available (see ``DatasetEntry``); it then partitions, trains,
+    resumes and evaluates like a built-in dataset."""
+    if name in BUILTIN_DATASETS or str(name).startswith("imagefolder"):
+        raise ValueError(f"dataset {name!r}: a built-in dataset name")
+    if not callable(loader):
+        raise TypeError(f"dataset {name!r}: loader must be callable, got {loader!r}")
+    entry = DatasetEntry(name, loader, _importing_plugin)
+    _add(DATASETS, entry, "dataset", replace)
     return entry
 
 

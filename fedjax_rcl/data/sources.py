@@ -9,7 +9,9 @@ A spec is one of
 * ``"cifar10"`` / ``"cifar100"`` -- through tensorflow-datasets without TensorFlow
   (:mod:`fedjax_rcl.data.tfds_source`);
 * ``"tiny_imagenet"`` -- the official ``tiny-imagenet-200`` archive or folder in ``data_dir``
-  (:mod:`fedjax_rcl.data.tiny_imagenet`).
+  (:mod:`fedjax_rcl.data.tiny_imagenet`);
+* a name registered with ``fedjax_rcl.registry.register_dataset`` -- the user's loader
+  (:func:`from_arrays` checks what it returns).
 
 Every source returns an :class:`ImageDataset` (uint8 NHWC images, int32 labels, class names,
 normalisation constants). Sources that decode many files cache the decoded arrays on disk
@@ -21,6 +23,12 @@ not import tensorflow-datasets or scikit-learn.
 
 from __future__ import annotations
 
+import inspect
+from collections.abc import Mapping
+
+import numpy as np
+
+from fedjax_rcl import registry
 from fedjax_rcl.data.cache import CACHE_FORMAT_VERSION, cached_arrays, default_cache_dir
 from fedjax_rcl.data.dataset import DataError, ImageDataset, channel_stats
 from fedjax_rcl.validation import did_you_mean
@@ -33,6 +41,7 @@ __all__ = [
     "channel_stats",
     "check_dataset_spec",
     "default_cache_dir",
+    "from_arrays",
     "load_dataset",
 ]
 
@@ -54,8 +63,13 @@ def _parse_spec(spec: str) -> tuple[str, str | None]:
             raise DataError(f"dataset spec {spec!r} names no path; write 'imagefolder:PATH' with"
                             " PATH a directory or .zip holding train/<class>/* and test/<class>/*")
         return "imagefolder", path
-    close = did_you_mean(spec, ("digits", "tiny_imagenet", *TFDS_NAMES))
-    raise DataError(f"unknown dataset {spec!r}; allowed: {_ALLOWED}{close}")
+    if spec in registry.DATASETS:
+        return "registered", spec
+    names = (*registry.BUILTIN_DATASETS, *registry.DATASETS)
+    mine = (f", or a registered one ({', '.join(map(repr, registry.DATASETS))})"
+            if registry.DATASETS else ", or one registered by a plugin")
+    raise DataError(f"unknown dataset {spec!r}; allowed: {_ALLOWED}{mine}"
+                    f"{did_you_mean(spec, names)}")
 
 
 def load_dataset(spec: str, *, data_dir: str | None = None,
@@ -78,6 +92,8 @@ def load_dataset(spec: str, *, data_dir: str | None = None,
             prepared nor downloadable.
     """
     kind, arg = _parse_spec(spec)
+    if kind == "registered":
+        return _registered(registry.DATASETS[arg], data_dir)
     if kind == "digits":
         from fedjax_rcl.data import embedded
         return embedded.load_digits(cache_dir)
@@ -89,6 +105,73 @@ def load_dataset(spec: str, *, data_dir: str | None = None,
         return tiny_imagenet.load_tiny_imagenet(data_dir, cache_dir=cache_dir)
     from fedjax_rcl.data import tfds_source
     return tfds_source.load_tfds(kind, data_dir=data_dir, cache_dir=cache_dir)
+
+
+def _registered(entry, data_dir: str | None) -> ImageDataset:
+    """Calls a registered loader (with ``data_dir`` when it takes it) and checks its arrays."""
+    params = inspect.signature(entry.loader).parameters
+    takes = "data_dir" in params or any(p.kind == p.VAR_KEYWORD for p in params.values())
+    try:
+        arrays = entry.loader(data_dir=data_dir) if takes else entry.loader()
+    except DataError:
+        raise
+    except Exception as e:  # the user's loader failed: say whose and why, in one line
+        first = str(e).splitlines()[0] if str(e) else ""
+        raise DataError(f"the loader of dataset {entry.name!r} failed ({type(e).__name__}: "
+                        f"{first})") from e
+    return from_arrays(entry.name, arrays)
+
+
+def from_arrays(name: str, arrays: Mapping) -> ImageDataset:
+    """An ``ImageDataset`` from a loader's mapping (``registry.DatasetEntry``), checked.
+
+    Images must be uint8 ``[N, H, W, C]`` (``[N, H, W]`` is read as one channel) of one size
+    in both splits; labels integers in ``0 .. len(class_names) - 1``; ``mean``/``std`` default
+    to the training images' per-channel statistics, ``hflip`` to true.
+
+    Raises:
+      DataError: a missing key or a malformed array, naming it.
+    """
+    if not isinstance(arrays, Mapping):
+        raise DataError(f"dataset {name!r}: its loader must return a mapping, got "
+                        f"{type(arrays).__name__}")
+    missing = [k for k in ("train_images", "train_labels", "test_images", "test_labels",
+                           "class_names") if k not in arrays]
+    if missing:
+        raise DataError(f"dataset {name!r}: its loader's mapping lacks {', '.join(missing)}")
+    classes = tuple(str(c) for c in arrays["class_names"])
+    out = {}
+    for split in ("train", "test"):
+        images = np.asarray(arrays[f"{split}_images"])
+        if images.ndim == 3:
+            images = images[..., None]
+        if images.dtype != np.uint8 or images.ndim != 4:
+            raise DataError(f"dataset {name!r}: {split}_images must be uint8 [N, H, W, C], got "
+                            f"{images.dtype} {images.shape}")
+        labels = np.asarray(arrays[f"{split}_labels"])
+        if labels.ndim != 1 or not np.issubdtype(labels.dtype, np.integer) or (
+                len(labels) and (labels.min() < 0 or labels.max() >= len(classes))):
+            raise DataError(f"dataset {name!r}: {split}_labels must be integers in 0.."
+                            f"{len(classes) - 1} (one per class name), got {labels.dtype} "
+                            f"{labels.shape}")
+        if len(labels) != len(images):
+            raise DataError(f"dataset {name!r}: {len(labels)} {split}_labels for "
+                            f"{len(images)} {split}_images")
+        out[split] = (np.ascontiguousarray(images), labels.astype(np.int32))
+    if out["train"][0].shape[1:] != out["test"][0].shape[1:]:
+        raise DataError(f"dataset {name!r}: train images {out['train'][0].shape[1:]} and test "
+                        f"images {out['test'][0].shape[1:]} differ in shape")
+    mean, std = channel_stats(out["train"][0])
+    mean = tuple(float(m) for m in arrays.get("mean", mean))
+    std = tuple(float(s) for s in arrays.get("std", std))
+    channels = out["train"][0].shape[-1]
+    if len(mean) != channels or len(std) != channels or min(std) <= 0:
+        raise DataError(f"dataset {name!r}: mean and std need one value per channel "
+                        f"({channels}), std > 0")
+    return ImageDataset(name=name, train_images=out["train"][0], train_labels=out["train"][1],
+                        test_images=out["test"][0], test_labels=out["test"][1],
+                        class_names=classes, mean=mean, std=std,
+                        hflip=bool(arrays.get("hflip", True)))
 
 
 def check_dataset_spec(spec: str, *, data_dir: str | None = None) -> None:
