@@ -11,6 +11,7 @@ settings live in ``experiments/*.yaml``.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import hashlib
 import json
 import re
@@ -24,7 +25,6 @@ from fedjax_rcl.validation import (
     CheckContext,
     ConfigError,
     check_levels,
-    did_you_mean,
     finite,
     one_of,
     require,
@@ -115,6 +115,11 @@ class CoreConfig:
         VCI, class covariances of the global and one local model's features; the
         participation histogram); 0: off.
       analysis_images: test images the analysis uses (a fixed class-balanced subset).
+      client_metrics: write each round's sampled clients, their data sizes and local losses to
+        ``clients.jsonl`` (one line per round), for the spread over clients.
+      client_eval: also each sampled client's accuracy on its own training samples before and
+        after its local training (one evaluation pass over its data each); implies
+        ``client_metrics``.
       conv_impl: how convolutions run: ``auto`` picks ``cpu`` on CPUs (oneDNN, else the
         matmul forms) and ``native`` elsewhere.
       devices: devices the sampled clients are sharded over; 0: every device.
@@ -158,6 +163,8 @@ class CoreConfig:
     ema_decay: float = 0.9
     analysis_every: int = 0
     analysis_images: int = 1000
+    client_metrics: bool = False
+    client_eval: bool = False
     conv_impl: str = "auto"
     devices: int = 1
     clients_in_parallel: int = 0
@@ -232,11 +239,11 @@ def _format_key_error(err: OmegaConfBaseException) -> str:
     key = getattr(err, "full_key", None) or "?"
     if isinstance(err, ConfigKeyError):
         section = _section_type(key) or schema()
-        prefix = key.rpartition(".")[0]
+        prefix, _, last = key.rpartition(".")
         names = [f.name for f in dataclasses.fields(section)]
-        dotted = [f"{prefix}.{n}" if prefix else n for n in names]
-        return (f"{key}: unknown config key{did_you_mean(key, dotted)}; "
-                f"allowed keys here: {', '.join(names)}")
+        close = difflib.get_close_matches(last, names, n=1)  # the key's own part, not its path
+        hint = f" (did you mean {(prefix + '.' if prefix else '') + close[0]!r}?)" if close else ""
+        return (f"{key}: unknown config key{hint}; allowed keys here: {', '.join(names)}")
     if isinstance(err, ValidationError):
         msg = str(getattr(err, "msg", err)).splitlines()[0]
         # OmegaConf's "Value '1.5' of type 'float' could not be converted to Integer", said as
@@ -388,12 +395,14 @@ def _quote_string_value(override: str) -> str:
 RESUME_SAFE_KEYS = ("rounds", "checkpoint_every", "keep_checkpoints", "eval_batch_size",
                     "data_dir", "run_dir", "distributed.coordinator_address",
                     "distributed.process_id", "analysis_every", "analysis_images",
+                    "client_metrics",
                     *(f"tracking.{f.name}" for f in dataclasses.fields(TrackingConfig)))
 
 
 # Settings added after runs existed, at their default (what a run's config without them
 # means): left out of the digest while they hold it, so that the runs' checkpoints still resume.
-DIGEST_NEUTRAL_DEFAULTS = {"mfcl.bn_statistics": "running", "init_threefry_partitionable": False}
+DIGEST_NEUTRAL_DEFAULTS = {"mfcl.bn_statistics": "running", "init_threefry_partitionable": False,
+                           "client_eval": False}
 
 
 def flat_keys(d: dict, prefix: str = "") -> dict:

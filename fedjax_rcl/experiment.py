@@ -180,6 +180,7 @@ def build(cfg: CoreConfig, dataset: ImageDataset | None = None, *,
         augment=cfg.augment,
         num_classes=dataset.num_classes,
         num_views=registry.algorithm(cfg.algorithm).num_views,
+        client_eval=cfg.client_eval,
     )
     if algorithm.optimizer is not None:  # the algorithm prescribes its own (MFCL: Adam)
         opt = algorithm.optimizer(cfg.lr, clip_norm=cfg.clip_norm,

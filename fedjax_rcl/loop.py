@@ -76,6 +76,8 @@ class Stage:
       checkpointer: where checkpoints go.
       describe: ``record -> str``: the numbers of a progress line.
       postfix: ``record -> dict``: the numbers beside a terminal's bar.
+      step_lines: ``(out, done, n) -> list[dict]``: lines for a second file, one per step of
+        the block (per-client metrics), written before the block's metrics line; None: none.
     """
 
     label: str
@@ -89,15 +91,17 @@ class Stage:
     checkpointer: Checkpointer
     describe: Callable[[dict], str]
     postfix: Callable[[dict], dict] = lambda record: {}
+    step_lines: Callable[[Any, int, int], list[dict]] | None = None
 
 
 class Sink:
-    """Where metrics lines go: ``metrics.jsonl`` (appended as they come, by the primary
-    process only) and the trackers the config selects."""
+    """Where metrics lines go: a JSONL file of the run directory (``metrics.jsonl``, appended as
+    they come, by the primary process only) and, given the config, the trackers it selects."""
 
-    def __init__(self, run_dir: Path, cfg: CoreConfig | None = None, *, resumed_at: int = 0):
+    def __init__(self, run_dir: Path, cfg: CoreConfig | None = None, *, resumed_at: int = 0,
+                 name: str = "metrics.jsonl"):
         self._primary = is_primary()
-        self._file = open(run_dir / "metrics.jsonl", "a") if self._primary else None
+        self._file = open(run_dir / name, "a") if self._primary else None
         self._trackers = (Trackers(cfg.tracking, run_dir, resumed_at=resumed_at,
                                    config=to_dict(cfg))
                           if cfg is not None and self._primary else None)
@@ -151,7 +155,8 @@ Callback = Callable[[dict], Any]
 
 def run_stage(stage: Stage, state, done: int, *, run_dir: Path, sink: Sink,
               progress: bool = False, log: Callable[[str], None] = print,
-              callbacks: tuple[Callback, ...] = ()) -> tuple[Any, dict, bool]:
+              callbacks: tuple[Callback, ...] = (),
+              step_sink: Sink | None = None) -> tuple[Any, dict, bool]:
     """Advances ``state`` from step ``done`` to ``stage.total`` (see the module docstring).
 
     Every metrics line goes to each of ``callbacks`` once written; when one of them returns a
@@ -180,6 +185,9 @@ def run_stage(stage: Stage, state, done: int, *, run_dir: Path, sink: Sink,
             done += n
             record = stage.record(state, out, done, n, block_s,
                                   time.perf_counter() - start)
+            if step_sink is not None and stage.step_lines is not None:
+                for line in stage.step_lines(out, done, n):
+                    step_sink.write(line)
             sink.write(record)
             stopped = any([bool(callback(record)) for callback in callbacks])
             if done == stage.total or stopped or (

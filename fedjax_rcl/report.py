@@ -14,6 +14,9 @@ into the *method* (the algorithm, its own section's keys, the server optimizer) 
 * ``convergence.png``: EMA accuracy over rounds, one panel per setting (paper Fig. 1/A);
 * ``collapse.png``, for runs recorded with ``analysis_every``: effective rank and variability
   collapse index of the global and local models' features over rounds (paper Figs. 2-3);
+* the spread over clients (local loss, accuracy on own data before and after local training)
+  at each reported round, for runs with per-client metrics (``client_metrics``,
+  ``client_eval``);
 * ``beta_sweep.png`` when the runs differ only in ``fedrcl.beta`` (and the setting): final EMA
   accuracy against beta (paper Fig. 4/B).
 """
@@ -45,6 +48,7 @@ class Run:
     path: Path
     config: dict  # flat
     rows: list[dict]
+    clients: list[dict] = dataclasses.field(default_factory=list)  # clients.jsonl, if any
 
     def ema_at(self, r: int) -> float | None:
         hit = [x for x in self.rows if x["round"] == r]
@@ -96,9 +100,13 @@ def load_run(path: str | Path) -> Run:
     try:
         config = _result_keys(flat_keys(yaml.safe_load(cfg.read_text()) or {}))
         rows = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()]
+        clients = path / "clients.jsonl"
+        per_client = ([json.loads(x) for x in clients.read_text().splitlines() if x.strip()]
+                      if clients.is_file() else [])
     except (yaml.YAMLError, json.JSONDecodeError) as e:
-        raise ReportError(f"{path}: unreadable config.yaml or metrics.jsonl ({e})") from None
-    return Run(path, config, rows)
+        raise ReportError(f"{path}: unreadable config.yaml, metrics.jsonl or clients.jsonl "
+                          f"({e})") from None
+    return Run(path, config, rows, per_client)
 
 
 def _method_key(key: str, config: dict) -> bool:
@@ -251,6 +259,34 @@ def _beta_sweep(runs: Sequence[Run]) -> dict[str, list[tuple[float, float]]]:
     return sweep
 
 
+def _spread(values: list[float]) -> str:
+    import numpy as np
+
+    v = np.asarray(values, np.float64)
+    return f"{v.mean():.3f} ± {v.std():.3f} [{v.min():.3f}, {v.max():.3f}]"
+
+
+def client_spread(runs: Sequence[Run], r: int, window: int = 10) -> str:
+    """The spread over clients at round ``r``, for runs with per-client metrics: over the
+    clients sampled in rounds ``r - window + 1 .. r``, the mean ± sd [min, max] of their local
+    loss and of their accuracy on their own data before and after local training."""
+    rows = []
+    for run in runs:
+        lines = [x for x in run.clients if r - window < x["round"] <= r]
+        if not lines:
+            continue
+        cells = [_spread([v for x in lines for v in x[key]]) if key in lines[0] else "—"
+                 for key in ("loss", "acc_before", "acc_after")]
+        rows.append(f"| `{run.path.name}` | {sum(len(x['clients']) for x in lines)} | "
+                    + " | ".join(cells) + " |")
+    if not rows:
+        return ""
+    return (f"Spread over clients, rounds {max(1, r - window + 1)}-{r} (mean ± sd [min, max] "
+            "over the sampled clients):\n\n| run | client-rounds | local loss | accuracy on "
+            "own data before | after local training |\n|---|---|---|---|---|\n"
+            + "\n".join(rows) + "\n")
+
+
 def report(run_dirs: Sequence[str | Path], out: str | Path, at: Sequence[int] = ()) -> Path:
     """Writes ``report.md`` and the figures for ``run_dirs`` into ``out``; returns its path."""
     runs = [load_run(p) for p in run_dirs]
@@ -261,7 +297,8 @@ def report(run_dirs: Sequence[str | Path], out: str | Path, at: Sequence[int] = 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     figures = _plots(runs, out)
-    text = ("# Report\n\n" + table(runs, at) + "\nFigures: "
-            + ", ".join(f"`{p.name}`" for p in figures) + "\n")
+    spread = "\n".join(x for x in (client_spread(runs, r) for r in at) if x)
+    text = ("# Report\n\n" + table(runs, at) + (f"\n{spread}" if spread else "")
+            + "\nFigures: " + ", ".join(f"`{p.name}`" for p in figures) + "\n")
     (out / "report.md").write_text(text)
     return out / "report.md"

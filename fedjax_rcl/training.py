@@ -50,12 +50,16 @@ from fedjax_rcl.loop import (
     save_checkpoint,
 )
 from fedjax_rcl.metrics import ema
-from fedjax_rcl.rundir import read_metrics_upto
+from fedjax_rcl.rundir import atomic_write_text, read_metrics_upto
 from fedjax_rcl.validation import ConfigError
 
 __all__ = ["Program", "ServerStateBeforeMessages", "TrainingError", "checkpoint_tree",
            "compile_program", "continue_run", "evaluate_run", "load_run", "progress_line",
            "resume", "state_from_checkpoint", "train"]
+
+# Per-client metrics (``client_metrics``, ``client_eval``): one line per round.
+CLIENTS_FILE = "clients.jsonl"
+
 
 def _check_finite(metrics: dict, first_round: int, n: int) -> None:
     losses = np.asarray(metrics["client_loss"][:n])
@@ -185,7 +189,7 @@ def _rounds_stage(exp: Experiment, program: Program, ckpt: Checkpointer, acc_ema
         acc = float(ev["accuracy"])
         ema_now[0] = ema(ema_now[0], acc, cfg.ema_decay)
         terms = {k: float(np.mean(v[:n])) for k, v in metrics.items()
-                 if k not in ("loss", "client_loss", "clients")}
+                 if k != "loss" and not k.startswith("client")}
         line = {"round": done, "test_accuracy": acc, "test_accuracy_ema": ema_now[0],
                 "test_loss": float(ev["loss"]), "train_loss": float(np.mean(metrics["loss"][:n])),
                 **terms, "round_s": round(block_s / n, 3), "elapsed_s": round(elapsed_s, 3),
@@ -198,12 +202,31 @@ def _rounds_stage(exp: Experiment, program: Program, ckpt: Checkpointer, acc_ema
         return exp.table.checkpoint(state), _checkpoint_meta(cfg, done,
                                                              line["test_accuracy_ema"])
 
+    sizes = np.asarray([len(p) for p in exp.parts])
+
+    def client_lines(out, done, n):
+        """One ``clients.jsonl`` line per round of the block: the sampled clients, their data
+        sizes and local losses (and accuracies on their own data, with ``client_eval``)."""
+        metrics, _ = out
+        lines = []
+        for i in range(n):
+            ids = np.asarray(metrics["clients"][i])
+            line = {"round": done - n + i + 1, "clients": ids.tolist(),
+                    "size": sizes[ids].tolist(),
+                    "loss": np.asarray(metrics["client_loss"][i], np.float64).tolist()}
+            for key in ("acc_before", "acc_after"):
+                if f"client_{key}" in metrics:
+                    line[key] = np.asarray(metrics[f"client_{key}"][i], np.float64).tolist()
+            lines.append(line)
+        return lines
+
     return Stage(label="round", unit="rounds", total=cfg.rounds, every=cfg.eval_every,
                  checkpoint_every=cfg.checkpoint_every, advance=advance, record=record,
                  checkpoint=checkpoint, checkpointer=ckpt, describe=_numbers,
                  postfix=lambda r: {"loss": f"{r['train_loss']:.3f}",
                                     "acc": f"{r['test_accuracy']:.3f}",
-                                    "ema": f"{r['test_accuracy_ema']:.3f}"})
+                                    "ema": f"{r['test_accuracy_ema']:.3f}"},
+                 step_lines=client_lines if cfg.client_metrics or cfg.client_eval else None)
 
 
 def _run(exp: Experiment, run_dir: Path, ckpt: Checkpointer, state: ServerState, done: int,
@@ -219,13 +242,16 @@ def _run(exp: Experiment, run_dir: Path, ckpt: Checkpointer, state: ServerState,
         prior_s = json.loads(prior[-1]).get("total_s", 0.0) if prior else 0.0
         stage = _rounds_stage(exp, program, ckpt, acc_ema, prior_s)
         sink = Sink(run_dir, cfg, resumed_at=done)
+        clients = (Sink(run_dir, name=CLIENTS_FILE) if stage.step_lines is not None else None)
         first, start = done, time.perf_counter()
         try:
             state, record, stopped = run_stage(stage, state, done, run_dir=run_dir,
                                                sink=sink, progress=progress, log=log,
-                                               callbacks=callbacks)
+                                               callbacks=callbacks, step_sink=clients)
         finally:
             sink.close()
+            if clients is not None:
+                clients.close()
         elapsed = time.perf_counter() - start
     finally:
         ckpt.close()  # waits for pending saves: a stopped run keeps its last good checkpoint
@@ -262,8 +288,11 @@ def train(cfg: CoreConfig, *, dataset: ImageDataset | None = None, progress: boo
     each loss term, ``round_s`` = wall time per round of this evaluation block including the
     evaluation, ``elapsed_s`` = time since this process's loop began, ``total_s`` = the same
     summed over the run's processes, resumes included), ``checkpoints/`` (Orbax; round 0, every
-    ``checkpoint_every`` rounds and the last), ``accuracy.png``, and the provenance records
-    ``commands.txt`` and ``environment.jsonl`` (``fedjax_rcl.provenance``).
+    ``checkpoint_every`` rounds and the last), ``accuracy.png``, the provenance records
+    ``commands.txt`` and ``environment.jsonl`` (``fedjax_rcl.provenance``), and with
+    ``client_metrics`` ``clients.jsonl`` (one line per round: the sampled clients, their sizes
+    and local losses; with ``client_eval`` their accuracies on their own data before and after
+    local training).
     """
     runs_with = registry.algorithm(cfg.algorithm).command
     if runs_with != "train":
@@ -349,6 +378,10 @@ def _resume_locked(run_dir: Path, cfg: CoreConfig, *, force: bool,
     ckpt.set_aside([s for s in ckpt.steps() if s > done])  # the damaged ones we skipped
     resumed_records(run_dir, cfg, read_metrics_upto(run_dir / "metrics.jsonl", done),
                     command=command, first=done, primary=is_primary())
+    if is_primary() and (run_dir / CLIENTS_FILE).exists():  # cut back like metrics.jsonl
+        with interrupts.critical():
+            atomic_write_text(run_dir / CLIENTS_FILE, "".join(
+                f"{x}\n" for x in read_metrics_upto(run_dir / CLIENTS_FILE, done)))
     interrupts.resume_status(run_dir, done)
     log(_describe(exp, run_dir))
     log(f"resuming from the checkpoint of round {done} (of {cfg.rounds})")

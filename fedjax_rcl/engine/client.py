@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from fedjax_rcl.data.augment import augment_batch
+from fedjax_rcl.data.augment import augment_batch, normalize
 from fedjax_rcl.data.device import ClientData
 from fedjax_rcl.engine.algorithm import Batch, ClientAlgorithm, LocalContext
 from fedjax_rcl.models.base import ModelFns, ModelState
@@ -70,6 +70,9 @@ class LocalTraining:
       num_classes: size of ``LocalContext.label_counts`` (0: not computed).
       num_views: augmented views of each sample in a batch (the algorithm's registered
         ``num_views``: 2 for view-contrastive objectives).
+      client_eval: also measure each client's accuracy on its own (unaugmented) training
+        samples with the model it starts from and the model it trained (``acc_before``,
+        ``acc_after`` in its metrics), for per-client metrics.
     """
 
     batch_size: int
@@ -85,6 +88,7 @@ class LocalTraining:
     augment: bool = True
     num_classes: int = 0
     num_views: int = 1
+    client_eval: bool = False
 
     @property
     def num_steps(self) -> int:
@@ -118,6 +122,27 @@ def report_like(model: ModelFns, algorithm: ClientAlgorithm, params: Params,
         return algorithm.report(model.apply(p, s, batch.images, train=False)[0], batch)
 
     return jax.eval_shape(one, params, model_state)
+
+
+def own_accuracy(model: ModelFns, settings: LocalTraining, params: Params,
+                 model_state: ModelState, indices: jax.Array, size: jax.Array,
+                 data: ClientData) -> jax.Array:
+    """The accuracy of a model (evaluation mode) on a client's own training samples, without
+    augmentation: ``indices`` its ``int32 [max_size]`` row, ``size`` how many are real.
+    Batches of ``batch_size`` run one after another; padded positions are masked."""
+    b = settings.batch_size
+    chunks = -(-indices.shape[0] // b)
+    padded = jnp.pad(indices, (0, chunks * b - indices.shape[0]))
+
+    def one(c):
+        pos = c * b + jnp.arange(b)
+        idx = padded[pos]
+        x = normalize(data.images[idx], settings.mean, settings.std)
+        out, _ = model.apply(params, model_state, x, train=False)
+        hit = (jnp.argmax(out.logits, -1) == data.labels[idx]) & (pos < size)
+        return jnp.sum(hit)
+
+    return jnp.sum(jax.lax.map(one, jnp.arange(chunks))) / size
 
 
 def make_local_update(model: ModelFns, algorithm: ClientAlgorithm,
@@ -214,6 +239,11 @@ def make_local_update(model: ModelFns, algorithm: ClientAlgorithm,
             last_epoch = (jnp.arange(s.num_steps) // client_steps == s.local_epochs - 1) & active
             w = last_epoch.astype(jnp.float32)
             metrics["report"] = jax.tree.map(lambda r: jnp.tensordot(w, r, axes=(0, 0)), reports)
+        if s.client_eval:
+            metrics["acc_before"] = own_accuracy(model, s, global_params, global_model_state,
+                                                 indices, size, data)
+            metrics["acc_after"] = own_accuracy(model, s, params, model_state, indices, size,
+                                                data)
         new_state = algorithm.update_client_state(client_state, params, model_state)
         return params, model_state, new_state, metrics
 

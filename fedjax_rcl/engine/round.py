@@ -40,6 +40,8 @@ from fedjax_rcl.types import ClientState, Params, PRNGKey
 
 # The mesh axis that clients are sharded over.
 CLIENTS = "clients"
+# Metrics a local update may report that stay per client (``client_<name>`` in the round's).
+PER_CLIENT_METRICS = ("acc_before", "acc_after")
 # Independent streams derived from the root key.
 _SAMPLING_STREAM, _CLIENT_STREAM, _INIT_STREAM = 0, 1, 2
 
@@ -143,8 +145,10 @@ def make_round(local_update, server_opt: ServerOptimizer, *, num_clients: int,
     Returns:
       ``round_rows(state, data, rows) -> (state, metrics, new_rows)`` with ``rows`` the state
       rows of ``sample_clients(state.key, state.round, num_clients, m)`` in that order. Metrics:
-      ``loss`` (mean over sampled clients), ``client_loss`` ``[m]``, ``clients`` ``[m]`` and
-      the mean of each term the local objective reports.
+      ``loss`` (mean over sampled clients), ``client_loss`` ``[m]``, ``clients`` ``[m]``,
+      the mean of each term the local objective reports, and, when local training measures
+      them (``LocalTraining.client_eval``), ``client_acc_before`` and ``client_acc_after``
+      ``[m]``.
     """
     m = clients_per_round(num_clients, participation)
     devices = 1 if mesh is None else mesh.shape[CLIENTS]
@@ -208,6 +212,8 @@ def make_round(local_update, server_opt: ServerOptimizer, *, num_clients: int,
         updates, opt_state = server_opt.tx.update(pseudo_grad, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         reports = client_metrics.pop("report", None)
+        # Per-client values that are not averaged: each sampled client's own.
+        own = {k: client_metrics.pop(k)[:m] for k in PER_CLIENT_METRICS if k in client_metrics}
         message = state.message
         if reports is not None:  # summed over the round's real clients
             message = server_message(jax.tree.map(
@@ -215,6 +221,7 @@ def make_round(local_update, server_opt: ServerOptimizer, *, num_clients: int,
         metrics = {k: jnp.sum(jnp.where(valid, v, 0.0)) / m for k, v in client_metrics.items()}
         metrics["client_loss"] = client_metrics["loss"][:m]
         metrics["clients"] = sampled
+        metrics.update({f"client_{k}": v for k, v in own.items()})
         if mesh is not None:  # every process reads the metrics
             metrics = jax.tree.map(lambda x: spread(x, P()), metrics)
         new_state = state.replace(params=params, model_state=weighted_mean(trained_ms, weights),
