@@ -130,9 +130,53 @@ def run(suite: dict, chunk: int, only: list[str] | None = None) -> None:
             raise TrainingError(f"{name}: exit status {status}; stopping the suite")
 
 
+def _ranks(values) -> list[float]:
+    """1-based ranks, ties given their average rank."""
+    order = sorted(range(len(values)), key=lambda i: values[i])
+    ranks = [0.0] * len(values)
+    i = 0
+    while i < len(order):
+        j = i
+        while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
+            j += 1
+        for k in range(i, j + 1):
+            ranks[order[k]] = (i + j) / 2 + 1
+        i = j + 1
+    return ranks
+
+
+def spearman(x, y) -> float:
+    """Spearman's rank correlation of two equally long sequences: the Pearson correlation of
+    their ranks (ties given their average rank)."""
+    rx, ry = _ranks(list(x)), _ranks(list(y))
+    n = len(rx)
+    mx, my = sum(rx) / n, sum(ry) / n
+    cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry, strict=True))
+    sx = sum((a - mx) ** 2 for a in rx) ** 0.5
+    sy = sum((b - my) ** 2 for b in ry) ** 0.5
+    return cov / (sx * sy) if sx and sy else float("nan")
+
+
+def _paper_lines(suite: dict, ours: dict[str, float], last: int) -> list[str]:
+    """The rank correlation of our EMA at ``last`` with each of the paper's columns, over the
+    runs the suite gives paper values for (``paper: {run: {column: value}}``)."""
+    paper = suite.get("paper") or {}
+    columns = list(dict.fromkeys(c for v in paper.values() for c in v))
+    lines = []
+    for column in columns:
+        names = [n for n in paper if column in paper[n] and n in ours]
+        if len(names) < 3:
+            continue
+        rho = spearman([ours[n] for n in names], [paper[n][column] for n in names])
+        lines.append(f"Spearman rank correlation of EMA @{last} with the paper's {column}, over "
+                     f"{len(names)} runs: {rho:+.2f}")
+    return lines
+
+
 def table(suite: dict, out: Path) -> str:
     """Writes ``out/table.md`` (EMA at the report rounds, the mean over the last ten, the
-    best) and ``out/ema_accuracy.png``; returns the table."""
+    best, and the paper's values with the rank correlation of the orderings when the suite
+    gives them under ``paper``) and ``out/ema_accuracy.png``; returns the table."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -141,9 +185,13 @@ def table(suite: dict, out: Path) -> str:
     report = suite.get("report_rounds") or [suite["rounds"]]
     last = report[-1]
     window = range(max(1, last - 9), last + 1)  # one seed's EMA moves with a few lucky rounds
+    paper = suite.get("paper") or {}
+    columns = list(dict.fromkeys(c for v in paper.values() for c in v))
     lines = ["| run | overrides | rounds done | " + " | ".join(f"EMA @{r}" for r in report)
-             + f" | mean acc {window[0]}-{last} | best acc to {suite['rounds']} |",
-             "|---|---|---|" + "---|" * len(report) + "---|---|"]
+             + f" | mean acc {window[0]}-{last} | best acc to {suite['rounds']} |"
+             + "".join(f" paper {c} |" for c in columns),
+             "|---|---|---|" + "---|" * len(report) + "---|---|" + "---|" * len(columns)]
+    ours: dict[str, float] = {}
     groups: dict[str, list[str]] = {}
     metrics = {name: _metrics(Path(suite["runs_dir"]) / name) for name in suite["runs"]}
     for name, overrides in suite["runs"].items():
@@ -157,8 +205,11 @@ def table(suite: dict, out: Path) -> str:
         best = max((r["test_accuracy"] for r in rows if r["round"] <= suite["rounds"]),
                    default=None)
         done = rows[-1]["round"] if rows else 0
+        if last in by_round:
+            ours[name] = by_round[last]["test_accuracy_ema"]
         lines.append(f"| {name} | {' '.join(overrides)} | {done} | " + " | ".join(cells)
-                     + f" | {mean} | {'—' if best is None else f'{best:.4f}'} |")
+                     + f" | {mean} | {'—' if best is None else f'{best:.4f}'} |"
+                     + "".join(f" {paper.get(name, {}).get(c, '—')} |" for c in columns))
         group = suite.get("group_by")
         key = next((o for o in overrides if group and o.startswith(f"{group}=")), "all")
         groups.setdefault(key, []).append(name)
@@ -179,6 +230,9 @@ def table(suite: dict, out: Path) -> str:
     fig.suptitle(Path(suite["runs_dir"]).name + ": " + suite["base"])
     fig.tight_layout()
     fig.savefig(out / "ema_accuracy.png", dpi=110)
+    notes = _paper_lines(suite, ours, last)
+    if notes:
+        lines += ["", *notes, "", f"Paper values: {suite.get('paper_source', 'the paper')}."]
     text = "\n".join(lines) + "\n"
     (out / "table.md").write_text(text)
     return text

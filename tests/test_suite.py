@@ -114,3 +114,30 @@ def test_bad_suite_files_and_names_exit_2_with_one_line(tmp_path, capsys):
     assert main(["suite", "run", str(good), "--chunk", "0"]) == 2
     assert "--chunk 0: must be >= 1" in capsys.readouterr().err
     assert not (tmp_path / "runs").exists()
+
+
+def test_spearman_against_a_hand_computed_value_and_scipy():
+    # x ranks 1..5; y ranks 2, 1, 4, 3, 5: d^2 = 1 + 1 + 1 + 1 + 0 = 4, rho = 1 - 6*4/(5*24).
+    assert suite_tool.spearman([1, 2, 3, 4, 5], [20, 10, 40, 30, 50]) == pytest.approx(0.8)
+    assert suite_tool.spearman([1, 2, 3], [3, 2, 1]) == pytest.approx(-1.0)
+    scipy_stats = pytest.importorskip("scipy.stats")
+    rng = np.random.default_rng(0)
+    x, y = rng.integers(0, 5, 12).tolist(), rng.normal(size=12).tolist()  # ties in x
+    assert suite_tool.spearman(x, y) == pytest.approx(scipy_stats.spearmanr(x, y).statistic)
+
+
+def test_table_puts_the_papers_values_beside_ours(tmp_path):
+    pytest.importorskip("matplotlib")
+    suite = _suite(tmp_path)
+    suite["runs"]["c"] = ["algorithm=moon"]
+    suite["paper"] = {"a": {"500R": 70.0}, "b": {"500R": 80.0}, "c": {"500R": 75.0}}
+    suite["paper_source"] = "a test"
+    for name, level in (("a", 0.2), ("b", 0.4), ("c", 0.5)):
+        _write_run(tmp_path / "runs" / name, np.full(30, level))
+    text = suite_tool.table(suite, tmp_path / "out")
+    assert text.splitlines()[0].endswith("| paper 500R |")
+    assert "| a | algorithm=fedavg | 30 |" in text and text.splitlines()[2].endswith("| 70.0 |")
+    # Ours: a < b < c; the paper's: a < c < b.
+    assert ("Spearman rank correlation of EMA @30 with the paper's 500R, over 3 runs: +0.50"
+            in text)
+    assert "Paper values: a test." in text
