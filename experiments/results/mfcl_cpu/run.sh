@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # MFCL at CPU scale (issue 15): TN, GN and BN client modules (BN also with batch statistics
-# in phase 2) on the shared CIFAR-10 (M = 10, xi = 0.01; experiments/mfcl/cpu_cifar10.yaml),
+# in phase 2) on CIFAR-10 as JPEGs (M = 10, xi = 0.01; experiments/mfcl/cpu_cifar10.yaml),
 # for seeds 0, 1 and 2 (the seed draws the 1,000-image subset, the split, the initialisation
 # and the augmentations), then the table of linear-probe accuracies. Resumes a stopped run
 # instead of starting it again.
