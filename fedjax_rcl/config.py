@@ -120,6 +120,9 @@ class CoreConfig:
       client_eval: also each sampled client's accuracy on its own training samples before and
         after its local training (one evaluation pass over its data each); implies
         ``client_metrics``.
+      precision: the type local training computes in: ``fp32``; ``bf16`` or ``fp16`` with
+        float32 master weights, optimizer and server state (``fp16`` scales the loss as
+        PyTorch's GradScaler does, as the FedRCL authors train). Evaluation stays float32.
       conv_impl: how convolutions run: ``auto`` picks ``cpu`` on CPUs (oneDNN, else the
         matmul forms) and ``native`` elsewhere.
       devices: devices the sampled clients are sharded over; 0: every device.
@@ -165,6 +168,7 @@ class CoreConfig:
     analysis_images: int = 1000
     client_metrics: bool = False
     client_eval: bool = False
+    precision: str = "fp32"
     conv_impl: str = "auto"
     devices: int = 1
     clients_in_parallel: int = 0
@@ -402,7 +406,7 @@ RESUME_SAFE_KEYS = ("rounds", "checkpoint_every", "keep_checkpoints", "eval_batc
 # Settings added after runs existed, at their default (what a run's config without them
 # means): left out of the digest while they hold it, so that the runs' checkpoints still resume.
 DIGEST_NEUTRAL_DEFAULTS = {"mfcl.bn_statistics": "running", "init_threefry_partitionable": False,
-                           "client_eval": False}
+                           "client_eval": False, "precision": "fp32"}
 
 
 def flat_keys(d: dict, prefix: str = "") -> dict:
@@ -561,6 +565,7 @@ def validate(cfg: CoreConfig, *, check_data: bool = True) -> None:
     from fedjax_rcl import registry
     from fedjax_rcl.data.partitioning import METHODS
     from fedjax_rcl.engine.tables import CLIENT_TABLES
+    from fedjax_rcl.models.base import PRECISIONS
     from fedjax_rcl.nn.conv import CONV_IMPLS
     from fedjax_rcl.nn.norm import NORMS
     from fedjax_rcl.server import AGGREGATIONS
@@ -634,6 +639,7 @@ def validate(cfg: CoreConfig, *, check_data: bool = True) -> None:
     if cfg.conv_impl == "onednn":
         _check_onednn(p)
     one_of(p, "norm", cfg.norm, NORMS)
+    one_of(p, "precision", cfg.precision, PRECISIONS)
     one_of(p, "server.optimizer", cfg.server.optimizer, registry.SERVER_OPTIMIZERS)
     require(p, cfg.server.lr is None or (finite(cfg.server.lr) and cfg.server.lr > 0),
            "server.lr", cfg.server.lr, "must be a finite number > 0 (null: the optimizer's "

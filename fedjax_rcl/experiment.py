@@ -42,6 +42,7 @@ from fedjax_rcl.engine.round import (
 from fedjax_rcl.engine.sharding import client_mesh, put_replicated
 from fedjax_rcl.engine.tables import Advance, ClientTable, client_table
 from fedjax_rcl.models import ModelFns, get_model, model_fns
+from fedjax_rcl.models.base import with_precision
 from fedjax_rcl.server import server_optimizer
 from fedjax_rcl.validation import ConfigError
 
@@ -163,7 +164,10 @@ def build(cfg: CoreConfig, dataset: ImageDataset | None = None, *,
                                  conv_impl=cfg.conv_impl, norm=cfg.norm, width=cfg.width,
                                  **model_kwargs(cfg))
     model = model_fns(module, partitionable_init=cfg.init_threefry_partitionable)
-    algorithm = make_algorithm(cfg, model)
+    # Local training (and the algorithm's own forward passes) in the configured precision;
+    # evaluation and analysis in float32.
+    train_model = with_precision(model, cfg.precision)
+    algorithm = make_algorithm(cfg, train_model)
     root = jax.random.PRNGKey(cfg.seed)
     params, model_state = model.init(init_key(root), np.zeros((1, *dataset.image_shape)))
 
@@ -181,6 +185,7 @@ def build(cfg: CoreConfig, dataset: ImageDataset | None = None, *,
         num_classes=dataset.num_classes,
         num_views=registry.algorithm(cfg.algorithm).num_views,
         client_eval=cfg.client_eval,
+        precision=cfg.precision,
     )
     if algorithm.optimizer is not None:  # the algorithm prescribes its own (MFCL: Adam)
         opt = algorithm.optimizer(cfg.lr, clip_norm=cfg.clip_norm,
@@ -189,9 +194,9 @@ def build(cfg: CoreConfig, dataset: ImageDataset | None = None, *,
         opt = client_optimizer(cfg.lr, clip_norm=cfg.clip_norm, weight_decay=cfg.weight_decay,
                                momentum=cfg.momentum)
     sopt = server_optimizer(cfg)
-    local_update = make_local_update(model, algorithm, opt, settings,
+    local_update = make_local_update(train_model, algorithm, opt, settings,
                                      penalty=sopt.client_penalty, penalty_name=sopt.penalty_name)
-    reports = report_like(model, algorithm, params, model_state, dataset.image_shape,
+    reports = report_like(train_model, algorithm, params, model_state, dataset.image_shape,
                           cfg.batch_size, settings.num_views)
     round_rows = make_round(local_update, sopt, num_clients=cfg.num_clients,
                             server_message=algorithm.server_message,

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -73,6 +74,9 @@ class LocalTraining:
       client_eval: also measure each client's accuracy on its own (unaugmented) training
         samples with the model it starts from and the model it trained (``acc_before``,
         ``acc_after`` in its metrics), for per-client metrics.
+      precision: ``fp32``, ``bf16`` or ``fp16``: the type the model computes in (the model
+        passed to ``make_local_update`` does the casting, ``models.with_precision``); with
+        ``fp16`` the loss is scaled dynamically (``GradScaler``).
     """
 
     batch_size: int
@@ -89,6 +93,7 @@ class LocalTraining:
     num_classes: int = 0
     num_views: int = 1
     client_eval: bool = False
+    precision: str = "fp32"
 
     @property
     def num_steps(self) -> int:
@@ -122,6 +127,44 @@ def report_like(model: ModelFns, algorithm: ClientAlgorithm, params: Params,
         return algorithm.report(model.apply(p, s, batch.images, train=False)[0], batch)
 
     return jax.eval_shape(one, params, model_state)
+
+
+class GradScaler(NamedTuple):
+    """PyTorch's ``torch.amp.GradScaler`` state, with its defaults: the loss is multiplied by
+    ``scale`` before differentiation and the gradients divided by it; a step whose gradients
+    hold an inf or NaN is skipped and the scale halved; after ``GROWTH_INTERVAL`` finite steps
+    in a row the scale doubles. The FedRCL authors train in float16 this way, with a fresh
+    scaler for every client every round.
+
+    Attributes:
+      scale: ``float32 []``, the current loss scale (initially 2**16).
+      good_steps: ``int32 []``, finite steps since the scale last changed.
+    """
+
+    scale: jax.Array
+    good_steps: jax.Array
+
+    INIT_SCALE = 2.0 ** 16
+    GROWTH_FACTOR = 2.0
+    BACKOFF_FACTOR = 0.5
+    GROWTH_INTERVAL = 2000
+
+    @classmethod
+    def fresh(cls) -> GradScaler:
+        return cls(jnp.float32(cls.INIT_SCALE), jnp.int32(0))
+
+    def update(self, finite: jax.Array) -> GradScaler:
+        """``GradScaler.update()`` after a step whose gradients were ``finite`` (or not)."""
+        grown = self.good_steps + 1 == self.GROWTH_INTERVAL
+        scale = jnp.where(finite, jnp.where(grown, self.scale * self.GROWTH_FACTOR, self.scale),
+                          self.scale * self.BACKOFF_FACTOR)
+        good = jnp.where(finite & ~grown, self.good_steps + 1, 0)
+        return GradScaler(scale.astype(jnp.float32), good.astype(jnp.int32))
+
+
+def all_finite(tree) -> jax.Array:
+    """Whether every entry of every leaf is finite."""
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]))
 
 
 def own_accuracy(model: ModelFns, settings: LocalTraining, params: Params,
@@ -178,7 +221,14 @@ def make_local_update(model: ModelFns, algorithm: ClientAlgorithm,
             algorithm.report(out, batch))
         return loss, (terms, model_state, report)
 
+    scaled = s.precision == "fp16"
+
+    def scaled_loss_fn(params, model_state, batch, ctx, model_key, scale):
+        loss, aux = loss_fn(params, model_state, batch, ctx, model_key)
+        return loss * scale, (loss, aux)
+
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+    scaled_grad_fn = jax.value_and_grad(scaled_loss_fn, has_aux=True)
 
     def local_update(global_params: Params, global_model_state: ModelState,
                      client_state: ClientState, key: PRNGKey, indices: jax.Array,
@@ -195,7 +245,7 @@ def make_local_update(model: ModelFns, algorithm: ClientAlgorithm,
             counts = jnp.zeros((s.num_classes,), jnp.float32).at[data.labels[indices]].add(held)
 
         def step(carry, t):
-            params, model_state, opt_state = carry
+            params, model_state, opt_state, scaler = carry
             epoch, b = t // client_steps, t % client_steps
             pos = (b * s.batch_size + jnp.arange(s.batch_size)) % size
             idx = indices[perms[jnp.minimum(epoch, s.local_epochs - 1), pos]]
@@ -215,21 +265,37 @@ def make_local_update(model: ModelFns, algorithm: ClientAlgorithm,
             batch = Batch(jnp.concatenate(views) if len(views) > 1 else views[0], labels)
             ctx = LocalContext(global_params, global_model_state, client_state, k_loss, counts,
                                message)
-            (loss, (terms, new_model_state, report)), grads = grad_fn(
-                params, model_state, batch, ctx, k_model)
+            if scaled:  # float16: scale, unscale before the optimizer clips, skip infs
+                (_, (loss, (terms, new_model_state, report))), grads = scaled_grad_fn(
+                    params, model_state, batch, ctx, k_model, scaler.scale)
+                grads = jax.tree.map(lambda g: g / scaler.scale, grads)
+                finite = all_finite(grads)
+                terms = {**terms, "amp_skipped": (~finite).astype(jnp.float32)}
+            else:
+                (loss, (terms, new_model_state, report)), grads = grad_fn(
+                    params, model_state, batch, ctx, k_model)
             opt_state.hyperparams["learning_rate"] = s.lr_fn(round_index, epoch)
             updates, new_opt_state = optimizer.update(grads, opt_state, params)
-            new = (optax.apply_updates(params, updates), new_model_state, new_opt_state)
+            new_params = optax.apply_updates(params, updates)
+            if scaled:  # a skipped step keeps the weights and the optimizer state; BatchNorm's
+                # statistics were updated by its forward pass all the same, as in PyTorch
+                new_params, new_opt_state = jax.tree.map(
+                    lambda n, o: jnp.where(finite, n, o), (new_params, new_opt_state),
+                    (params, opt_state))
             if s.uniform_sizes:
                 active = jnp.ones((), bool)
             else:
                 active = t < s.local_epochs * client_steps
+            new_scaler = scaler.update(finite) if scaled else scaler
+            new = (new_params, new_model_state, new_opt_state, new_scaler)
+            if not s.uniform_sizes:
                 new = jax.tree.map(lambda n, o: jnp.where(active, n, o), new,
-                                   (params, model_state, opt_state))
+                                   (params, model_state, opt_state, scaler))
             return new, (loss, terms, active, report)
 
-        (params, model_state, _), (losses, terms, active, reports) = jax.lax.scan(
-            step, (global_params, global_model_state, opt_state), jnp.arange(s.num_steps)
+        (params, model_state, _, _), (losses, terms, active, reports) = jax.lax.scan(
+            step, (global_params, global_model_state, opt_state, GradScaler.fresh()),
+            jnp.arange(s.num_steps)
         )
         weights = active.astype(jnp.float32)
         mean_over_steps = lambda x: jnp.sum(x * weights) / jnp.sum(weights)

@@ -17,6 +17,9 @@ __all__ = ["ANALYSIS_KEYS", "ANALYSIS_PREFIXES", "LOOP_KEYS", "is_analysis_key",
 # Written by the loop on every line.
 LOOP_KEYS = ("round", "test_accuracy", "test_accuracy_ema", "test_loss", "train_loss",
              "round_s", "elapsed_s", "total_s")
+# Diagnostics of local training, not loss terms: the share of float16 steps skipped for
+# non-finite gradients (``precision=fp16``).
+DIAGNOSTIC_KEYS = ("amp_skipped",)
 # Written on analysis rounds (``engine.analysis``).
 ANALYSIS_PREFIXES = ("global_", "local_")
 ANALYSIS_KEYS = ("local_client", "participation")
@@ -32,7 +35,7 @@ def loss_terms(rows: Sequence[dict]) -> list[str]:
     seen: dict[str, None] = {}
     for row in rows:
         for key, value in row.items():
-            if (key not in LOOP_KEYS and not is_analysis_key(key)
+            if (key not in LOOP_KEYS and key not in DIAGNOSTIC_KEYS and not is_analysis_key(key)
                     and isinstance(value, numbers.Real) and not isinstance(value, bool)):
                 seen.setdefault(key, None)
     return list(seen)

@@ -116,3 +116,41 @@ def model_fns(module: nn.Module, *, partitionable_init: bool = False) -> ModelFn
         return module.apply({"params": params, **model_state}, h, train=False, start=start)
 
     return ModelFns(init=init, apply=apply, module=module, apply_from=apply_from)
+
+
+# ``precision=`` of the config: the dtype local training computes in.
+PRECISIONS = {"fp32": jnp.float32, "bf16": jnp.bfloat16, "fp16": jnp.float16}
+
+
+def _cast(tree, dtype):
+    return jax.tree.map(
+        lambda x: x.astype(dtype) if jnp.issubdtype(jnp.result_type(x), jnp.floating) else x,
+        tree)
+
+
+def with_precision(fns: ModelFns, precision: str) -> ModelFns:
+    """The model computing in a lower precision, its weights kept in float32.
+
+    ``apply`` casts the float32 weights and the images to ``bfloat16`` or ``float16``, runs the
+    model (convolutions and dense layers compute in that type; the normalisation layers take
+    their statistics in at least float32) and returns its outputs in float32, so that losses
+    are computed in float32 and gradients reach the float32 weights through the casts: the
+    master-weights scheme of mixed-precision training (Micikevicius et al., ICLR 2018), as
+    PyTorch's autocast does it for the FedRCL authors. The non-trained state (BatchNorm
+    statistics) stays float32. ``precision="fp32"`` returns ``fns`` unchanged.
+    """
+    if precision == "fp32":
+        return fns
+    dtype = PRECISIONS[precision]
+
+    def apply(params, model_state, images, *, train: bool, rng=None):
+        out, new_state = fns.apply(_cast(params, dtype), model_state, images.astype(dtype),
+                                   train=train, rng=rng)
+        return _cast(out, jnp.float32), _cast(new_state, jnp.float32)
+
+    def apply_from(params, model_state, h, *, start: int):
+        return _cast(fns.apply_from(_cast(params, dtype), model_state, h.astype(dtype),
+                                    start=start), jnp.float32)
+
+    return dataclasses.replace(fns, apply=apply,
+                               apply_from=apply_from if fns.apply_from else None)
