@@ -123,11 +123,43 @@ def test_cpu_impl_compiles_to_the_ffi_calls():
 
 def test_refuses_what_it_does_not_compute():
     x, w = _data()
-    with pytest.raises(ValueError, match="float32"):
-        conv.onednn_conv_general_dilated(x.astype(jnp.bfloat16), w.astype(jnp.bfloat16),
-                                         (1, 1), PAD)
-    with pytest.raises(ValueError, match="float32"):
+    with pytest.raises(ValueError, match="operands of one type"):
+        conv.onednn_conv_general_dilated(x, w.astype(jnp.bfloat16), (1, 1), PAD)
+    with pytest.raises(ValueError, match="operands of one type"):
+        conv.onednn_conv_general_dilated(x.astype(jnp.int32), w.astype(jnp.int32), (1, 1), PAD)
+    with pytest.raises(ValueError, match="returns its operands' type"):
         conv.onednn_conv_general_dilated(x, w, (1, 1), PAD, preferred_element_type=jnp.float16)
+
+
+@needs_onednn
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "fp16"])
+def test_low_precision_matches_the_patch_convolution(dtype):
+    """oneDNN's bfloat16 / float16 kernels (where the CPU has them) against the patch
+    convolution in the same type and float32 native, forward and both gradients, within the
+    type's rounding; and the CPU convolution picks them."""
+    if not onednn.supports(dtype):
+        pytest.skip(f"oneDNN has no {jnp.dtype(dtype).name} convolutions on this CPU")
+    x, w = _data(3, shape=(4, 12, 12, 16), kernel=(3, 3, 16, 24))
+    low = jnp.dtype(dtype)
+
+    def loss(fn):
+        return lambda x, w: jnp.sum(fn(x.astype(low), w.astype(low)).astype(jnp.float32) ** 2)
+
+    ours = lambda x, w: conv.onednn_conv_general_dilated(x, w, (1, 1), PAD)
+    patches = lambda x, w: conv.patch_conv_general_dilated(x, w, (1, 1), PAD)
+    y = ours(x.astype(low), w.astype(low))
+    assert y.dtype == low
+    eps = float(jnp.finfo(low).eps)
+    ref = _native(x, w)
+    np.testing.assert_allclose(np.asarray(y, np.float32), ref, atol=8 * eps * float(
+        jnp.max(jnp.abs(ref))))
+    for got, want in zip(jax.grad(loss(ours), (0, 1))(x, w),
+                         jax.grad(loss(patches), (0, 1))(x, w), strict=True):
+        scale = float(jnp.max(jnp.abs(want)))
+        np.testing.assert_allclose(got, want, atol=8 * eps * scale)
+    hlo = jax.jit(lambda x, w: conv.cpu_conv_general_dilated(x, w, (1, 1), PAD)).lower(
+        x.astype(low), w.astype(low)).as_text()
+    assert "fedjax_onednn_conv_forward" in hlo
 
 
 @pytest.fixture

@@ -117,14 +117,17 @@ def worker(spec: dict) -> dict:
         import torch_reference
 
         data = fake_cifar(num_clients * per_client)
+        import torch
+
+        autocast = {"fp32": None, "bf16": torch.bfloat16}[spec.get("precision", "fp32")]
         r = torch_reference.round_seconds(model, algorithm, clients=clients, steps=steps,
                                           batch=batch, data=data, epochs=epochs,
-                                          repeats=spec.get("repeats", 2))
+                                          repeats=spec.get("repeats", 2), autocast=autocast)
         out.update(round_s=r["round_s"], compile_s=0.0)
     else:
         cfg = Config(dataset="fake", model=model, algorithm=algorithm, num_clients=num_clients,
                      participation=clients / num_clients, partition="iid", local_epochs=epochs,
-                     batch_size=batch, eval_every=1,
+                     batch_size=batch, eval_every=1, precision=spec.get("precision", "fp32"),
                      clients_in_parallel=1 if mode == "one-at-a-time" else spec.get("chunk", 0))
         exp = build(cfg, fake_cifar(num_clients * per_client))
         if mode in COMPILED_MODES:
@@ -240,9 +243,9 @@ def convolutions() -> str:
 
 
 def table(rows: list[dict], peak: float) -> str:
-    head = ("| model | algorithm | clients | mode | steps/client | s/round | client-steps/s | "
-            "compile s | peak RSS GB | GFLOP/s | % of matmul peak |\n"
-            "|---|---|---|---|---|---|---|---|---|---|---|")
+    head = ("| model | algorithm | clients | mode | precision | steps/client | s/round | "
+            "client-steps/s | compile s | peak RSS GB | GFLOP/s | % of fp32 matmul peak |\n"
+            "|---|---|---|---|---|---|---|---|---|---|---|---|")
     lines = [head]
     for r in rows:
         fwd = r.get("fwd_flops_per_image")
@@ -250,25 +253,31 @@ def table(rows: list[dict], peak: float) -> str:
         gflops = (fwd * mult * r["batch"] * r["steps"] * r["clients"] / r["round_s"] / 1e9
                   if fwd else float("nan"))
         lines.append(
-            f"| {r['model']} | {r['algorithm']} | {r['clients']} | {r['mode']} | {r['steps']} | "
+            f"| {r['model']} | {r['algorithm']} | {r['clients']} | {r['mode']} | "
+            f"{r.get('precision', 'fp32')} | {r['steps']} | "
             f"{r['round_s']:.3f} | {r['client_steps_per_s']:.1f} | {r['compile_s']:.1f} | "
             f"{r['peak_rss_gb']:.2f} | {gflops:.1f} | {100 * gflops / peak:.0f}% |")
     return "\n".join(lines)
 
 
 def ratios(rows: list[dict]) -> list[str]:
-    """Speed of the compiled round relative to the other two, same model/algorithm/clients."""
-    by = {(r["model"], r["algorithm"], r["clients"], r["mode"]): r for r in rows}
+    """Speed of the compiled round relative to the other modes, same model/algorithm/clients/
+    precision; and bf16 against fp32 for each mode."""
+    by = {(r["model"], r["algorithm"], r["clients"], r["mode"], r.get("precision", "fp32")): r
+          for r in rows}
     out = []
-    for (model, alg, clients, mode), r in sorted(by.items()):
+    for (model, alg, clients, mode, prec), r in sorted(by.items()):
+        if prec != "fp32" and (fp32 := by.get((model, alg, clients, mode, "fp32"))):
+            out.append(f"- {model} {alg}, {clients} clients, {mode}: {prec} is "
+                       f"{fp32['round_s'] / r['round_s']:.2f}x the speed of fp32")
         if mode != "vmap":
             continue
         for other in ("one-at-a-time", "sequential", "torch"):
-            o = by.get((model, alg, clients, other))
+            o = by.get((model, alg, clients, other, prec))
             if o:
-                out.append(f"- {model} {alg}, {clients} clients: compiled round is "
+                out.append(f"- {model} {alg}, {clients} clients, {prec}: compiled round is "
                            f"{o['round_s'] / r['round_s']:.2f}x the speed of {other}")
-        base = by.get((model, alg, 5, "vmap"))
+        base = by.get((model, alg, 5, "vmap", prec))
         if base and clients != 5:
             out.append(f"- {model} {alg}: client-steps/s with {clients} vmapped clients = "
                        f"{r['client_steps_per_s'] / base['client_steps_per_s']:.2f}x that with 5")
@@ -318,6 +327,8 @@ def main():
     ap.add_argument("--passes", type=int, default=1,
                     help="run every configuration this many times, in rotation; report medians")
     ap.add_argument("--timeout", type=float, default=3600)
+    ap.add_argument("--precisions", nargs="+", default=["fp32"], choices=["fp32", "bf16"],
+                    help="the types local training computes in (PyTorch: autocast)")
     ap.add_argument("--paper-local-work", action="store_true",
                     help="every model runs the paper's 50 local steps per client (GPU/TPU)")
     ap.add_argument("--replot", nargs="+", metavar="JSON",
@@ -350,9 +361,10 @@ def main():
                 for mode in modes:
                     if mode not in COMPILED_MODES and clients not in (1, 5):
                         continue  # the loops scale linearly; 1 and 5 clients say it all
-                    specs.append({"model": model, "algorithm": alg, "clients": clients,
-                                  "mode": mode, "repeats": 2,
-                                  "paper_local_work": args.paper_local_work})
+                    for precision in args.precisions:
+                        specs.append({"model": model, "algorithm": alg, "clients": clients,
+                                      "mode": mode, "repeats": 2, "precision": precision,
+                                      "paper_local_work": args.paper_local_work})
     runs: dict[tuple, list[dict]] = {}
     for p in range(args.passes):  # passes interleave the modes over time: drift hits all alike
         for spec in specs:

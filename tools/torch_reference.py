@@ -559,8 +559,11 @@ class TorchFederation:
                  weight_decay: float = 1e-3, clip_norm: float = 10.0, hflip: bool = True,
                  max_degrees: float = 10.0, crop_padding: int = 4, augment: bool = True,
                  projection_dim: int = 256, flax_params: Mapping | None = None, seed: int = 0,
-                 model_kwargs: Mapping | None = None):
+                 model_kwargs: Mapping | None = None, autocast=None):
         _require_torch()
+        # Mixed precision as the FedRCL authors train it: the forward pass and the objective
+        # under ``torch.autocast`` (here on the CPU, e.g. torch.bfloat16), weights in float32.
+        self.autocast = autocast
         self.objective = algorithm if isinstance(algorithm, Objective) else Objective(algorithm)
         self.images = _tensor(images, torch.uint8)
         self.labels = _tensor(labels, torch.int64)
@@ -625,8 +628,10 @@ class TorchFederation:
             with torch.no_grad():  # MOON's targets: two extra forwards without gradient
                 z_global = self.global_model(x, features=False).projection
                 z_prev = self.prev_model(x, features=False).projection
-        out = self.local_model(x, features=self.objective.needs_features)
-        loss, terms = self.objective(out, labels, z_global=z_global, z_prev=z_prev)
+        with torch.autocast("cpu", dtype=self.autocast or torch.bfloat16,
+                            enabled=self.autocast is not None):
+            out = self.local_model(x, features=self.objective.needs_features)
+            loss, terms = self.objective(out, labels, z_global=z_global, z_prev=z_prev)
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         if self.clip_norm:
@@ -702,7 +707,7 @@ def _norm_constants(data):
 def round_seconds(model_name: str, algorithm: str, *, clients: int = 5, steps: int = 50,
                   batch: int = 50, data, repeats: int = 3, epochs: int = 5,
                   warmup_steps: int = 2, threads: int | None = 2,
-                  flax_params: Mapping | None = None, seed: int = 0) -> dict:
+                  flax_params: Mapping | None = None, seed: int = 0, autocast=None) -> dict:
     """Times one federated round done client by client in PyTorch eager.
 
     Each of ``clients`` clients holds ``steps // epochs * batch`` distinct training samples
@@ -725,6 +730,8 @@ def round_seconds(model_name: str, algorithm: str, *, clients: int = 5, steps: i
       threads: ``torch.set_num_threads`` (None: leave PyTorch's setting).
       flax_params: optional Flax params to start from (our initial model), else PyTorch's init.
       seed: seeds the client split, shuffles and augmentation.
+      autocast: a torch dtype (``torch.bfloat16``) to run the forward pass and objective under
+        ``torch.autocast("cpu")``; None: float32.
 
     Returns:
       A dict: ``round_s`` (median), ``round_s_all``, ``client_step_ms`` (median round over
@@ -747,7 +754,7 @@ def round_seconds(model_name: str, algorithm: str, *, clients: int = 5, steps: i
     fed = TorchFederation(model_name, algorithm, images=images, labels=labels,
                           client_indices=parts, num_classes=num_classes, mean=mean, std=std,
                           batch=batch, epochs=epochs, hflip=bool(_field(data, "hflip", True)),
-                          flax_params=flax_params, seed=seed)
+                          flax_params=flax_params, seed=seed, autocast=autocast)
     if warmup_steps:
         fed.local_update(0, 0, max_steps=warmup_steps)
     times, losses = [], []

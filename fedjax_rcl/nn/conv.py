@@ -205,20 +205,23 @@ def onednn_conv_general_dilated(
     precision=None,
     preferred_element_type=None,
 ) -> jax.Array:
-    """The same convolution run by oneDNN's direct kernels (CPU, float32; ``fedjax_rcl.nn.onednn``).
+    """The same convolution run by oneDNN's direct kernels (CPU; ``fedjax_rcl.nn.onednn``).
 
     Forward, input gradient and kernel gradient are each one oneDNN primitive called through
     XLA's FFI: no patches, no col2im. The function is differentiable (``custom_vjp``); under
     ``vmap`` each call runs once per mapped element. Same arguments and support as
-    ``patch_conv_general_dilated``; ``precision`` and ``preferred_element_type`` must be left
-    at their defaults (oneDNN computes in float32).
+    ``patch_conv_general_dilated``; the operands are float32, or bfloat16 / float16 where the
+    CPU has the instructions (``onednn.supports``), the result of their type (oneDNN
+    accumulates in float32); ``precision`` and ``preferred_element_type`` must be left at
+    their defaults.
     """
     padding = _check(lhs, rhs, window_strides, padding, lhs_dilation, rhs_dilation,
                      dimension_numbers, feature_group_count, batch_group_count, "oneDNN")
-    if lhs.dtype != jnp.float32 or rhs.dtype != jnp.float32:
-        raise ValueError(f"oneDNN convolution is float32 only; got {lhs.dtype}, {rhs.dtype}")
-    if preferred_element_type not in (None, jnp.float32):
-        raise ValueError("oneDNN convolution computes in float32")
+    if lhs.dtype != rhs.dtype or not onednn.supports(lhs.dtype):
+        raise ValueError(f"oneDNN convolution here takes float32 (or a low type this CPU "
+                         f"supports) operands of one type; got {lhs.dtype}, {rhs.dtype}")
+    if preferred_element_type not in (None, lhs.dtype):
+        raise ValueError("oneDNN convolution returns its operands' type")
     strides = tuple(window_strides)
     if rhs.shape[:2] == (1, 1) and strides != (1, 1) and padding == ((0, 0), (0, 0)):
         # A strided 1x1 convolution reads every stride-th pixel: take them here and run a
@@ -324,9 +327,10 @@ def prefers_rows(input_shape: Sequence[int], kernel_shape: Sequence[int],
 
 def cpu_conv_general_dilated(lhs, rhs, window_strides, padding, *args, **kwargs) -> jax.Array:
     """The fastest convolution on CPU: oneDNN's direct kernels when the extension is available
-    (``onednn.available()``, float32), else per layer the row (``prefers_rows``) or patch
-    convolution."""
-    if lhs.dtype == rhs.dtype == jnp.float32 and onednn_usable():
+    (``onednn.available()``) for the operands' type (``onednn.supports``: float32, and
+    bfloat16 / float16 on CPUs with those instructions), else per layer the row
+    (``prefers_rows``) or patch convolution."""
+    if lhs.dtype == rhs.dtype and onednn_usable() and onednn.supports(lhs.dtype):
         impl = onednn_conv_general_dilated
     elif prefers_rows(lhs.shape, rhs.shape, window_strides, padding):
         impl = row_conv_general_dilated

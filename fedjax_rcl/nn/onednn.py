@@ -157,7 +157,7 @@ def _call(target: str, out_shape, *operands, strides, padding):
     sh, sw = strides
     # Under vmap (clients side by side) the call runs once per client: on CPU that is the
     # right schedule anyway, and each client has its own kernel.
-    out = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(out_shape, np.float32),
+    out = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(out_shape, operands[0].dtype),
                            vmap_method="sequential")(
         *operands, stride_h=np.int64(sh), stride_w=np.int64(sw), pad_top=np.int64(pt),
         pad_bottom=np.int64(pb), pad_left=np.int64(pl), pad_right=np.int64(pr))
@@ -172,6 +172,28 @@ def _varying_axes(x) -> frozenset:
     aval = jax.typeof(x)
     vma = getattr(aval, "vma", None)  # the attribute's name in other jax versions
     return frozenset(vma if vma is not None else aval.manual_axis_type.varying)
+
+
+@functools.cache
+def supports(dtype) -> bool:
+    """Whether oneDNN runs convolutions in ``dtype`` on this CPU (float32 always; bfloat16 and
+    float16 where the CPU has the instructions oneDNN needs): a tiny forward and both
+    gradients are tried once, eagerly."""
+    dtype = np.dtype(dtype)
+    if dtype == np.float32:
+        return available()
+    if not available() or dtype not in (np.dtype(jax.numpy.bfloat16), np.dtype(np.float16)):
+        return False
+    x = jax.numpy.ones((1, 6, 6, 8), dtype)
+    w = jax.numpy.ones((3, 3, 8, 8), dtype)
+    pad = ((1, 1), (1, 1))
+    try:
+        y = conv_forward(x, w, (1, 1), pad)
+        jax.block_until_ready((y, conv_backward_data(y, w, x.shape, (1, 1), pad),
+                               conv_backward_weights(x, y, w.shape, (1, 1), pad)))
+    except Exception:  # oneDNN has no kernel for this type on this CPU
+        return False
+    return True
 
 
 def conv_forward(x: jax.Array, w: jax.Array, strides, padding) -> jax.Array:

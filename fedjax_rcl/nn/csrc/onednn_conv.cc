@@ -6,13 +6,16 @@
 // library behind PyTorch's CPU convolutions) runs forward, input-gradient and kernel-gradient
 // convolutions as direct JIT kernels. Built on first use by fedjax_rcl/nn/onednn.py.
 //
-// Layouts are JAX's: activations NHWC, kernels HWIO, float32. Each handler caches its oneDNN
-// primitives by geometry (built once per shape, i.e. once per compiled layer) and executes them
-// with a per-call scratchpad, so concurrent calls from XLA's threads are safe.
+// Layouts are JAX's: activations NHWC, kernels HWIO; float32, bfloat16 or float16 (all operands
+// of a call alike; oneDNN accumulates in float32 and refuses a low type the CPU lacks). Each
+// handler caches its oneDNN primitives by geometry and type (built once per shape, i.e. once
+// per compiled layer) and executes them with a per-call scratchpad, so concurrent calls from
+// XLA's threads are safe.
 
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <stdexcept>
 #include <string>
 #include <unordered_map>
 
@@ -32,13 +35,15 @@ dnnl::engine& Engine() {
 }
 
 // One convolution's shape: NHWC input [b, h, w, cin], HWIO kernel [kh, kw, cin, cout],
-// NHWC output [b, ho, wo, cout], strides and explicit (low, high) padding.
+// NHWC output [b, ho, wo, cout], strides and explicit (low, high) padding, and the type.
 struct Geometry {
   int64_t b, h, w, cin, ho, wo, cout, kh, kw, sh, sw, pt, pb, pl, pr;
+  memory::data_type dt;
 
   std::string Key() const {
     std::string key;
-    for (int64_t v : {b, h, w, cin, ho, wo, cout, kh, kw, sh, sw, pt, pb, pl, pr}) {
+    for (int64_t v : {b, h, w, cin, ho, wo, cout, kh, kw, sh, sw, pt, pb, pl, pr,
+                      static_cast<int64_t>(dt)}) {
       key += std::to_string(v);
       key += ',';
     }
@@ -64,10 +69,10 @@ std::unique_ptr<Primitives> Build(const Geometry& g) {
   auto& eng = Engine();
   auto p = std::make_unique<Primitives>();
   // oneDNN's logical order is NCHW / OIHW whatever the memory layout; the tags give JAX's.
-  p->src = memory::desc({g.b, g.cin, g.h, g.w}, memory::data_type::f32, tag::nhwc);
-  p->dst = memory::desc({g.b, g.cout, g.ho, g.wo}, memory::data_type::f32, tag::nhwc);
-  p->weights_user = memory::desc({g.cout, g.cin, g.kh, g.kw}, memory::data_type::f32, tag::hwio);
-  memory::desc weights_any({g.cout, g.cin, g.kh, g.kw}, memory::data_type::f32, tag::any);
+  p->src = memory::desc({g.b, g.cin, g.h, g.w}, g.dt, tag::nhwc);
+  p->dst = memory::desc({g.b, g.cout, g.ho, g.wo}, g.dt, tag::nhwc);
+  p->weights_user = memory::desc({g.cout, g.cin, g.kh, g.kw}, g.dt, tag::hwio);
+  memory::desc weights_any({g.cout, g.cin, g.kh, g.kw}, g.dt, tag::any);
   memory::dims strides = {g.sh, g.sw}, pad_lo = {g.pt, g.pl}, pad_hi = {g.pb, g.pr};
   dnnl::primitive_attr attr;
   attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
@@ -132,28 +137,40 @@ ffi::Error Guarded(F&& body) {
   }
 }
 
-using F32 = ffi::Buffer<ffi::F32>;
-using F32Result = ffi::ResultBuffer<ffi::F32>;
+using Any = ffi::AnyBuffer;
+using AnyResult = ffi::Result<ffi::AnyBuffer>;
+
+// The oneDNN type of a call whose operands all have one of the supported types.
+memory::data_type DataType(ffi::DataType a, ffi::DataType b, ffi::DataType c) {
+  if (a != b || a != c) throw std::invalid_argument("operands of different types");
+  switch (a) {
+    case ffi::DataType::F32: return memory::data_type::f32;
+    case ffi::DataType::BF16: return memory::data_type::bf16;
+    case ffi::DataType::F16: return memory::data_type::f16;
+    default: throw std::invalid_argument("unsupported type (float32, bfloat16, float16)");
+  }
+}
 
 Geometry MakeGeometry(ffi::Span<const int64_t> in, ffi::Span<const int64_t> kernel,
                       ffi::Span<const int64_t> out, int64_t sh, int64_t sw, int64_t pt,
-                      int64_t pb, int64_t pl, int64_t pr) {
+                      int64_t pb, int64_t pl, int64_t pr, memory::data_type dt) {
   return Geometry{in[0], in[1], in[2], in[3], out[1], out[2], out[3], kernel[0], kernel[1],
-                  sh, sw, pt, pb, pl, pr};
+                  sh, sw, pt, pb, pl, pr, dt};
 }
 
 // y = conv(x, w): x [B, H, W, Cin], w [kh, kw, Cin, Cout] -> y [B, Ho, Wo, Cout].
-ffi::Error ConvForwardImpl(F32 x, F32 w, F32Result y, int64_t sh, int64_t sw, int64_t pt,
+ffi::Error ConvForwardImpl(Any x, Any w, AnyResult y, int64_t sh, int64_t sw, int64_t pt,
                            int64_t pb, int64_t pl, int64_t pr) {
   return Guarded([&] {
     const auto g = MakeGeometry(x.dimensions(), w.dimensions(), y->dimensions(), sh, sw, pt,
-                                pb, pl, pr);
+                                pb, pl, pr,
+                                DataType(x.element_type(), w.element_type(), y->element_type()));
     const auto& p = Lookup(g);
     auto& eng = Engine();
     dnnl::stream s(eng);
-    memory src(p.src, eng, x.typed_data()), dst(p.dst, eng, y->typed_data());
+    memory src(p.src, eng, x.untyped_data()), dst(p.dst, eng, y->untyped_data());
     memory weights = Reordered(s, p.to_fwd, p.to_fwd_pd,
-                               memory(p.weights_user, eng, w.typed_data()),
+                               memory(p.weights_user, eng, w.untyped_data()),
                                p.fwd_pd.weights_desc());
     p.fwd.execute(s, {{DNNL_ARG_SRC, src}, {DNNL_ARG_WEIGHTS, weights}, {DNNL_ARG_DST, dst},
                       {DNNL_ARG_SCRATCHPAD, Scratch(p.fwd_pd.scratchpad_desc())}});
@@ -162,17 +179,18 @@ ffi::Error ConvForwardImpl(F32 x, F32 w, F32Result y, int64_t sh, int64_t sw, in
 }
 
 // dx = the input gradient of conv at w for output gradient dy; dx's shape gives H, W.
-ffi::Error ConvBackwardDataImpl(F32 dy, F32 w, F32Result dx, int64_t sh, int64_t sw, int64_t pt,
+ffi::Error ConvBackwardDataImpl(Any dy, Any w, AnyResult dx, int64_t sh, int64_t sw, int64_t pt,
                                 int64_t pb, int64_t pl, int64_t pr) {
   return Guarded([&] {
     const auto g = MakeGeometry(dx->dimensions(), w.dimensions(), dy.dimensions(), sh, sw, pt,
-                                pb, pl, pr);
+                                pb, pl, pr,
+                                DataType(dy.element_type(), w.element_type(), dx->element_type()));
     const auto& p = Lookup(g);
     auto& eng = Engine();
     dnnl::stream s(eng);
-    memory diff_dst(p.dst, eng, dy.typed_data()), diff_src(p.src, eng, dx->typed_data());
+    memory diff_dst(p.dst, eng, dy.untyped_data()), diff_src(p.src, eng, dx->untyped_data());
     memory weights = Reordered(s, p.to_bwd_data, p.to_bwd_data_pd,
-                               memory(p.weights_user, eng, w.typed_data()),
+                               memory(p.weights_user, eng, w.untyped_data()),
                                p.bwd_data_pd.weights_desc());
     p.bwd_data.execute(s, {{DNNL_ARG_DIFF_DST, diff_dst}, {DNNL_ARG_WEIGHTS, weights},
                            {DNNL_ARG_DIFF_SRC, diff_src},
@@ -182,16 +200,17 @@ ffi::Error ConvBackwardDataImpl(F32 dy, F32 w, F32Result dx, int64_t sh, int64_t
 }
 
 // dw = the kernel gradient of conv at input x for output gradient dy; dw's shape gives kh, kw.
-ffi::Error ConvBackwardWeightsImpl(F32 x, F32 dy, F32Result dw, int64_t sh, int64_t sw,
+ffi::Error ConvBackwardWeightsImpl(Any x, Any dy, AnyResult dw, int64_t sh, int64_t sw,
                                    int64_t pt, int64_t pb, int64_t pl, int64_t pr) {
   return Guarded([&] {
     const auto g = MakeGeometry(x.dimensions(), dw->dimensions(), dy.dimensions(), sh, sw, pt,
-                                pb, pl, pr);
+                                pb, pl, pr,
+                                DataType(x.element_type(), dy.element_type(), dw->element_type()));
     const auto& p = Lookup(g);
     auto& eng = Engine();
     dnnl::stream s(eng);
-    memory src(p.src, eng, x.typed_data()), diff_dst(p.dst, eng, dy.typed_data());
-    memory user(p.weights_user, eng, dw->typed_data());
+    memory src(p.src, eng, x.untyped_data()), diff_dst(p.dst, eng, dy.untyped_data());
+    memory user(p.weights_user, eng, dw->untyped_data());
     const auto& internal_md = p.bwd_weights_pd.diff_weights_desc();
     memory diff_weights = internal_md == p.weights_user ? user : memory(internal_md, eng);
     p.bwd_weights.execute(s, {{DNNL_ARG_SRC, src}, {DNNL_ARG_DIFF_DST, diff_dst},
@@ -214,13 +233,13 @@ ffi::Error ConvBackwardWeightsImpl(F32 x, F32 dy, F32Result dw, int64_t sh, int6
       .Attr<int64_t>("pad_bottom").Attr<int64_t>("pad_left").Attr<int64_t>("pad_right")
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FedjaxOnednnConvForward, ConvForwardImpl,
-                              ffi::Ffi::Bind().Arg<F32>().Arg<F32>().Ret<F32>()
+                              ffi::Ffi::Bind().Arg<Any>().Arg<Any>().Ret<Any>()
                                   FEDJAX_CONV_ATTRS);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FedjaxOnednnConvBackwardData, ConvBackwardDataImpl,
-                              ffi::Ffi::Bind().Arg<F32>().Arg<F32>().Ret<F32>()
+                              ffi::Ffi::Bind().Arg<Any>().Arg<Any>().Ret<Any>()
                                   FEDJAX_CONV_ATTRS);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FedjaxOnednnConvBackwardWeights, ConvBackwardWeightsImpl,
-                              ffi::Ffi::Bind().Arg<F32>().Arg<F32>().Ret<F32>()
+                              ffi::Ffi::Bind().Arg<Any>().Arg<Any>().Ret<Any>()
                                   FEDJAX_CONV_ATTRS);
 
 // The oneDNN version this file was built against, for diagnostics.
