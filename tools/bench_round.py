@@ -40,8 +40,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_CLIENTS = (1, 5, 10, 20, 50)
-# The compiled round: its default client layout, or clients one after another inside the program.
-COMPILED_MODES = ("vmap", "one-at-a-time")
+# The compiled round: its default client layout (``vmap``, the historical name), every sampled
+# client side by side (``side-by-side``; with the patch convolutions, which turn a vmap over
+# client weights into batched matmuls instead of grouped convolutions: ``side-by-side-patches``),
+# or clients one after another inside the program (``one-at-a-time``).
+COMPILED_MODES = ("vmap", "side-by-side", "side-by-side-patches", "one-at-a-time")
 
 
 def _setup(model: str, paper_local_work: bool = False):
@@ -93,8 +96,11 @@ def forward_flops_per_image(model: str, algorithm: str) -> float:
     for ResNet-18.)"""
     import torch_reference  # its FLOP counts need no PyTorch (tools/ is the script's folder)
 
-    return float(torch_reference.forward_flops(
-        model, projection_dim=256 if algorithm == "moon" else None))
+    try:
+        return float(torch_reference.forward_flops(
+            model, projection_dim=256 if algorithm == "moon" else None))
+    except (KeyError, ValueError):  # a model the reference does not count
+        return float("nan")
 
 
 def worker(spec: dict) -> dict:
@@ -107,6 +113,7 @@ def worker(spec: dict) -> dict:
 
     model, algorithm, clients, mode = (spec["model"], spec["algorithm"], spec["clients"],
                                        spec["mode"])
+    model, _, width = model.partition(":")  # "resnet10:16": ResNet-10 at width 16
     per_client, epochs = _setup(model, spec.get("paper_local_work", False))
     num_clients = max(clients, 100)
     batch = 50
@@ -125,10 +132,14 @@ def worker(spec: dict) -> dict:
                                           repeats=spec.get("repeats", 2), autocast=autocast)
         out.update(round_s=r["round_s"], compile_s=0.0)
     else:
-        cfg = Config(dataset="fake", model=model, algorithm=algorithm, num_clients=num_clients,
+        layout = {"one-at-a-time": 1, "side-by-side": clients,
+                  "side-by-side-patches": clients}.get(mode, spec.get("chunk", 0))
+        cfg = Config(dataset="fake", model=model, width=int(width) if width else None,
+                     algorithm=algorithm, num_clients=num_clients,
                      participation=clients / num_clients, partition="iid", local_epochs=epochs,
                      batch_size=batch, eval_every=1, precision=spec.get("precision", "fp32"),
-                     clients_in_parallel=1 if mode == "one-at-a-time" else spec.get("chunk", 0))
+                     clients_in_parallel=layout,
+                     conv_impl="patches" if mode == "side-by-side-patches" else "auto")
         exp = build(cfg, fake_cifar(num_clients * per_client))
         if mode in COMPILED_MODES:
             t0 = time.perf_counter()
@@ -327,6 +338,8 @@ def main():
     ap.add_argument("--passes", type=int, default=1,
                     help="run every configuration this many times, in rotation; report medians")
     ap.add_argument("--timeout", type=float, default=3600)
+    ap.add_argument("--budget-s", type=float, default=None,
+                    help="start no configuration after this many seconds (a short GPU window)")
     ap.add_argument("--precisions", nargs="+", default=["fp32"], choices=["fp32", "bf16"],
                     help="the types local training computes in (PyTorch: autocast)")
     ap.add_argument("--paper-local-work", action="store_true",
@@ -366,8 +379,12 @@ def main():
                                       "mode": mode, "repeats": 2, "precision": precision,
                                       "paper_local_work": args.paper_local_work})
     runs: dict[tuple, list[dict]] = {}
+    began = time.perf_counter()
     for p in range(args.passes):  # passes interleave the modes over time: drift hits all alike
         for spec in specs:
+            if args.budget_s is not None and time.perf_counter() - began > args.budget_s:
+                print(f"  budget of {args.budget_s:.0f} s reached: skipping {spec}", flush=True)
+                continue
             r = run_worker(spec, args.timeout)
             if r:
                 runs.setdefault(tuple(spec.values()), []).append(r)
