@@ -249,8 +249,10 @@ def test_augmentation_is_ours_exactly():
 
 def test_flop_counts():
     counts = {}
-    for name in ("cnn", "resnet18"):
-        model = tr.build_model(name, projection_dim=256)
+    for name, shape in (("cnn", {}), ("resnet18", {}), ("resnet10", {"width": 16})):
+        model = tr.build_model("resnet18" if name == "resnet10" else name, projection_dim=256,
+                               **shape, **({"stage_sizes": (1, 1, 1, 1)}
+                                           if name == "resnet10" else {}))
         total = []
 
         def hook(mod, inp, out, total=total):
@@ -263,7 +265,7 @@ def test_flop_counts():
         with torch.no_grad():
             model(torch.zeros(1, 3, 32, 32))
         counts[name] = sum(total)
-        assert counts[name] == tr.forward_flops(name, projection_dim=256)
+        assert counts[name] == tr.forward_flops(name, projection_dim=256, **shape)
     assert tr.forward_flops("cnn") == 1_303_440  # NOTES: 3.91 MFLOP train = 3x forward
     assert tr.forward_flops("resnet18") == pytest.approx(3.33e9 / 3, rel=0.01)
     moon_step = 50 * 5 * tr.forward_flops("cnn", projection_dim=256)

@@ -81,9 +81,9 @@ class Ours:
 class Pfl:
     """pfl 0.6.0 in its own interpreter (tools/pfl_side.py), driven line by line."""
 
-    def __init__(self, python: str, rounds: int, threads: int | None):
+    def __init__(self, python: str, rounds: int, threads: int | None, device: str = "cpu"):
         self.rounds = rounds
-        env = dict(os.environ, PFL_BENCH_THREADS=str(threads or 0))
+        env = dict(os.environ, PFL_BENCH_THREADS=str(threads or 0), PFL_PYTORCH_DEVICE=device)
         self.proc = subprocess.Popen([python, str(ROOT / "tools" / "pfl_side.py")], env=env,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         self.info = self._read()
@@ -123,7 +123,11 @@ def main() -> None:
     ap.add_argument("--passes", type=int, default=3)
     ap.add_argument("--rounds", type=int, default=10, help="training rounds per pass")
     ap.add_argument("--no-append", action="store_true",
-                    help="do not append the table to benchmarks/HISTORY.md")
+                    help="write nothing into the checkout (no JSON, no HISTORY.md entry); "
+                         "--json keeps the results elsewhere")
+    ap.add_argument("--json", type=Path, metavar="PATH", help="also write the results to PATH")
+    ap.add_argument("--pfl-device", default="cpu",
+                    help="where pfl's PyTorch runs (cpu, cuda): on a GPU both sides use it")
     args = ap.parse_args()
 
     from bench_round import machine, matmul_peak_gflops
@@ -134,7 +138,7 @@ def main() -> None:
         sides[f"fedjax-rcl {v}"] = Ours(args.rounds, tuple(v.split(",")))
     for threads in args.pfl_threads if args.pfl_python else ():
         name = f"pfl 0.6.0 ({threads or os.cpu_count()} threads)"
-        sides[name] = Pfl(args.pfl_python, args.rounds, threads)
+        sides[name] = Pfl(args.pfl_python, args.rounds, threads, args.pfl_device)
     times = {name: {"train": [], "eval": []} for name in sides}
     for p in range(args.passes):
         for name, side in sides.items():
@@ -167,16 +171,19 @@ def main() -> None:
               f"`python tools/bench_pfl.py {' '.join(sys.argv[1:])}`; medians of {args.passes} "
               f"passes of {args.rounds} rounds + one evaluation, alternating; matmul peak "
               f"{peak:.0f} GFLOP/s; training {TRAIN_GFLOP:.0f} GFLOP / round, evaluation "
-              f"{EVAL_GFLOP:.0f} GFLOP; ours compiled in {sides['fedjax-rcl'].compile_s:.1f} s; "
-              f"`benchmarks/pfl-{stamp}.json`.\n\n")
+              f"{EVAL_GFLOP:.0f} GFLOP; ours compiled in {sides['fedjax-rcl'].compile_s:.1f} s"
+              + ("" if args.no_append else f"; `benchmarks/pfl-{stamp}.json`") + ".\n\n")
     text = header + "\n".join(lines) + "\n"
     print(text)
     info = {n: side.info for n, side in sides.items() if isinstance(side, Pfl)}
-    (ROOT / "benchmarks" / f"pfl-{stamp}.json").write_text(json.dumps(
+    result = json.dumps(
         {"machine": machine(), "peak_gflops": peak, "train_gflop": TRAIN_GFLOP,
-         "eval_gflop": EVAL_GFLOP, "times": times, "pfl": info,
-         "ours_parameters": sides["fedjax-rcl"].params}, indent=1))
+         "eval_gflop": EVAL_GFLOP, "times": times, "medians": med, "pfl": info,
+         "ours_parameters": sides["fedjax-rcl"].params}, indent=1)
+    if args.json:
+        args.json.write_text(result)
     if not args.no_append:
+        (ROOT / "benchmarks" / f"pfl-{stamp}.json").write_text(result)
         with open(ROOT / "benchmarks" / "HISTORY.md", "a") as f:
             f.write(text)
 

@@ -96,9 +96,11 @@ def forward_flops_per_image(model: str, algorithm: str) -> float:
     for ResNet-18.)"""
     import torch_reference  # its FLOP counts need no PyTorch (tools/ is the script's folder)
 
+    name, _, width = model.partition(":")  # "resnet10:16": ResNet-10 at width 16
     try:
         return float(torch_reference.forward_flops(
-            model, projection_dim=256 if algorithm == "moon" else None))
+            name, projection_dim=256 if algorithm == "moon" else None,
+            **({"width": int(width)} if width else {})))
     except (KeyError, ValueError):  # a model the reference does not count
         return float("nan")
 
@@ -119,14 +121,15 @@ def worker(spec: dict) -> dict:
     batch = 50
     steps = epochs * per_client // batch
     out = {**spec, "steps": steps, "batch": batch,
-           "fwd_flops_per_image": forward_flops_per_image(model, algorithm)}
+           "fwd_flops_per_image": forward_flops_per_image(spec["model"], algorithm)}
     if mode == "torch":
         import torch_reference
 
         data = fake_cifar(num_clients * per_client)
         import torch
 
-        autocast = {"fp32": None, "bf16": torch.bfloat16}[spec.get("precision", "fp32")]
+        autocast = {"fp32": None, "bf16": torch.bfloat16,
+                    "fp16": torch.float16}[spec.get("precision", "fp32")]
         r = torch_reference.round_seconds(model, algorithm, clients=clients, steps=steps,
                                           batch=batch, data=data, epochs=epochs,
                                           repeats=spec.get("repeats", 2), autocast=autocast)
@@ -236,7 +239,10 @@ def machine() -> str:
         cpu += f", {isa}"
     import jax
 
-    return (f"{cpu}, {os.cpu_count()} cores, {jax.default_backend()}, jax {jax.__version__}, "
+    backend = jax.default_backend()
+    if backend != "cpu":  # the accelerator by name ("NVIDIA H200")
+        backend += f" ({', '.join(sorted({d.device_kind for d in jax.devices()}))})"
+    return (f"{cpu}, {os.cpu_count()} cores, {backend}, jax {jax.__version__}, "
             f"Python {platform.python_version()}")
 
 
@@ -340,7 +346,7 @@ def main():
     ap.add_argument("--timeout", type=float, default=3600)
     ap.add_argument("--budget-s", type=float, default=None,
                     help="start no configuration after this many seconds (a short GPU window)")
-    ap.add_argument("--precisions", nargs="+", default=["fp32"], choices=["fp32", "bf16"],
+    ap.add_argument("--precisions", nargs="+", default=["fp32"], choices=["fp32", "bf16", "fp16"],
                     help="the types local training computes in (PyTorch: autocast)")
     ap.add_argument("--paper-local-work", action="store_true",
                     help="every model runs the paper's 50 local steps per client (GPU/TPU)")

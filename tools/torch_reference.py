@@ -79,7 +79,6 @@ _SIM_SENTINEL = 1e4
 _NORM_EPS = 1e-12
 _NUM_HARD_NEGATIVES = 2
 _RESNET18_STAGES = (2, 2, 2, 2)
-_RESNET_WIDTHS = (64, 128, 256, 512)
 
 
 def _require_torch() -> None:
@@ -93,7 +92,8 @@ def _require_torch() -> None:
 
 
 def forward_flops(model_name: str, *, num_classes: int = 10, image_size: int = 32,
-                  in_channels: int = 3, projection_dim: int | None = None) -> int:
+                  in_channels: int = 3, projection_dim: int | None = None,
+                  width: int = 64) -> int:
     """FLOPs of one forward pass of one image: 2 per multiply-add of every conv and dense layer.
 
     Normalization, activations, pooling and the losses are left out (they are O(activations),
@@ -102,11 +102,12 @@ def forward_flops(model_name: str, *, num_classes: int = 10, image_size: int = 3
     see :func:`train_step_flops`.
 
     Args:
-      model_name: ``"cnn"`` or ``"resnet18"``.
+      model_name: ``"cnn"``, ``"resnet18"`` or ``"resnet10"`` (one BasicBlock per stage).
       num_classes: classifier outputs.
       image_size: square input side.
       in_channels: input channels.
       projection_dim: MOON projection head output, or None for no head.
+      width: the ResNets' first-stage channels (stages double it).
 
     Returns:
       FLOPs per image, e.g. 1,303,440 for the CNN and 1,110,845,440 for ResNet-18 (10 classes,
@@ -124,19 +125,21 @@ def forward_flops(model_name: str, *, num_classes: int = 10, image_size: int = 3
         dims = [side * side * cin, 120, 84, num_classes]
         macs += sum(a * b for a, b in zip(dims[:-1], dims[1:], strict=True))
         embed = 84
-    elif model_name == "resnet18":
+    elif model_name in ("resnet18", "resnet10"):
+        stages = _RESNET18_STAGES if model_name == "resnet18" else (1, 1, 1, 1)
         side, cin = image_size, in_channels
-        macs += side * side * 64 * cin * 9  # stem conv3x3, stride 1
-        cin = 64
-        for s, (blocks, width) in enumerate(zip(_RESNET18_STAGES, _RESNET_WIDTHS, strict=True)):
+        macs += side * side * width * cin * 9  # stem conv3x3, stride 1
+        cin = width
+        for s, blocks in enumerate(stages):
+            cout = width * 2**s
             for b in range(blocks):
                 stride = 2 if (s > 0 and b == 0) else 1
                 side_out = (side + 2 - 3) // stride + 1  # 3x3, pad 1
-                macs += side_out * side_out * width * cin * 9  # conv1
-                macs += side_out * side_out * width * width * 9  # conv2
-                if stride != 1 or cin != width:
-                    macs += side_out * side_out * width * cin  # 1x1 shortcut
-                side, cin = side_out, width
+                macs += side_out * side_out * cout * cin * 9  # conv1
+                macs += side_out * side_out * cout * cout * 9  # conv2
+                if stride != 1 or cin != cout:
+                    macs += side_out * side_out * cout * cin  # 1x1 shortcut
+                side, cin = side_out, cout
         macs += cin * num_classes
         embed = cin
     else:
@@ -718,7 +721,7 @@ def round_seconds(model_name: str, algorithm: str, *, clients: int = 5, steps: i
     repeat is one full round, consecutive repeats being consecutive rounds.
 
     Args:
-      model_name: ``"cnn"`` or ``"resnet18"``.
+      model_name: ``"cnn"``, ``"resnet18"`` or ``"resnet10"`` (one BasicBlock per stage).
       algorithm: ``"fedavg" | "fedrcl" | "moon"``.
       clients: clients trained in the round.
       steps: local steps per client (must be a multiple of ``epochs``).

@@ -1,0 +1,191 @@
+"""One short GPU window, prepared: what a lent accelerator should measure first, in one call.
+
+Phases, each with its own share of the time budget (a phase that runs out stops starting new
+configurations and the next phase begins):
+
+1. ``env.json``: the GPU (nvidia-smi), the processor, the versions of JAX, jaxlib, Flax, optax,
+   PyTorch and pfl, the device JAX sees.
+2. ``layouts.json``: client-steps per second of the compiled round for ``resnet18``, ``cnn``,
+   ``pfl_cnn`` and ``resnet10`` at width 16 (in that order of importance), with the paper's
+   local work (5 epochs of 10 steps of batch 50), at 1, 5, 10 and 50 clients, in each layout:
+   every client side by side (``vmap``; grouped convolutions), side by side with the patch
+   convolutions (the client axis becomes the batch of a ``dot_general``), one client after
+   another inside the program, and a Python loop over the jitted client update (1 and 5
+   clients), plus the default layout (``tools/bench_round.py``).
+3. ``precision.json``: the FedRCL ResNet-18 round of 5 clients in fp32, bf16 and fp16
+   (``precision=``), one client after another.
+4. ``pfl.json``: pfl-research's CIFAR-10 workload, ours against pfl 0.6.0's own simulation
+   with PyTorch on the same GPU, single process (``tools/bench_pfl.py``).
+5. ``gpu_check.md``: the tables of all phases, and ``gpu_check.log``: everything printed.
+
+Six files in ``$OUT``, within the device tool's eight. Packages the device image lacks travel
+as wheels in ``.whl`` (1.1 MB; keep the folder out of git); the script installs them into
+``/tmp/site`` first. Here, once::
+
+    pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+        --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 -d .whl \
+        omegaconf==2.4.0 pfl==0.6.0 dp-accounting==0.5.1 dm-tree==0.1.10 \
+        multiprocess==0.70.19 dill==0.4.1 prv-accountant==0.2.0
+
+On the device (carry ``.whl``)::
+
+    python3 tools/gpu_check.py            # OUT is set by the device tool; about 9 minutes
+
+Dry run on a CPU with tiny sizes, every phase, so a GPU window is not spent on typos::
+
+    DRY=1 OUT=/tmp/gpu_check python tools/gpu_check.py --pfl-python /tmp/pflvenv/bin/python
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _log(out: Path, text: str) -> None:
+    print(text, flush=True)
+    with open(out / "gpu_check.log", "a") as f:
+        f.write(text + "\n")
+
+
+def _run(out: Path, cmd: list[str], budget: float, env: dict) -> int:
+    """Runs one phase's command with a hard time limit, its output into the log."""
+    _log(out, f"$ {' '.join(cmd)}  (limit {budget:.0f} s)")
+    with open(out / "gpu_check.log", "a") as log:
+        try:
+            return subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                  timeout=max(budget, 1)).returncode
+        except subprocess.TimeoutExpired:
+            _log(out, f"  stopped at its limit of {budget:.0f} s")
+            return 124
+
+
+def _install_wheels(out: Path, env: dict) -> None:
+    wheels = sorted((ROOT / ".whl").glob("*.whl"))
+    if not wheels:
+        return
+    site = Path("/tmp/site")
+    code = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index",
+                           "--no-deps", "--no-compile", "--no-cache-dir", "--upgrade",
+                           "--target", str(site), *map(str, wheels)]).returncode
+    _log(out, f"installed {len(wheels)} carried wheels into {site} (exit {code})")
+    env["PYTHONPATH"] = f"{site}:{env.get('PYTHONPATH', '')}"
+
+
+def environment(env: dict) -> dict:
+    info = {"python": platform.python_version(), "cpu_count": os.cpu_count()}
+    if shutil.which("nvidia-smi"):
+        q = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version,"
+                            "clocks.max.sm", "--format=csv,noheader"], capture_output=True,
+                           text=True)
+        info["nvidia_smi"] = q.stdout.strip()
+    probe = ("import json, jax, jaxlib, flax, optax; d = {'jax': jax.__version__, 'jaxlib': "
+             "jaxlib.__version__, 'flax': flax.__version__, 'optax': optax.__version__, "
+             "'backend': jax.default_backend(), 'devices': [x.device_kind for x in "
+             "jax.devices()]}\ntry:\n import torch; d['torch'] = torch.__version__; "
+             "d['torch_cuda'] = torch.cuda.is_available()\nexcept ImportError: pass\n"
+             "try:\n import importlib.metadata as m; d['pfl'] = m.version('pfl')\n"
+             "except Exception: pass\nprint(json.dumps(d))")
+    got = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                         env=env, cwd=ROOT)
+    info.update(json.loads(got.stdout.strip().splitlines()[-1]) if got.returncode == 0
+                else {"probe_error": got.stderr[-2000:]})
+    sys.path.insert(0, str(ROOT / "tools"))
+    return info
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--budget-s", type=float, default=float(os.environ.get("BUDGET_S", 510)),
+                    help="the whole script's time (default 510 s: 8.5 minutes)")
+    ap.add_argument("--pfl-python", default=sys.executable,
+                    help="the interpreter with pfl 0.6.0 and PyTorch (default: this one)")
+    args = ap.parse_args()
+    dry = os.environ.get("DRY") == "1"
+    out = Path(os.environ.get("OUT") or "/tmp/gpu_check")
+    out.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    env = dict(os.environ, PYTHONUNBUFFERED="1",
+               PYTHONPATH=f"{ROOT}:{ROOT / 'tools'}:{os.environ.get('PYTHONPATH', '')}")
+    env.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # processes share the GPU
+    _install_wheels(out, env)
+    info = environment(env)
+    (out / "env.json").write_text(json.dumps(info, indent=1))
+    _log(out, f"environment: {json.dumps(info)}")
+    on_gpu = info.get("backend") == "gpu"
+    device = "cuda" if on_gpu else "cpu"
+
+    def left() -> float:
+        return args.budget_s - (time.perf_counter() - start)
+
+    bench = [sys.executable, str(ROOT / "tools" / "bench_round.py"), "--no-append"]
+    if dry:  # every phase, at sizes a CPU does in a few minutes
+        layouts = [*bench, "--models", "cnn", "resnet10:8", "--algorithms", "fedavg",
+                   "--clients", "1", "2", "--modes", "vmap", "side-by-side",
+                   "side-by-side-patches", "one-at-a-time", "sequential"]
+        precision = [*bench, "--models", "resnet10:8", "--algorithms", "fedrcl", "--clients",
+                     "2", "--modes", "one-at-a-time", "--precisions", "fp32", "bf16", "fp16"]
+        pfl_rounds, pfl_passes = 2, 1
+    else:
+        layouts = [*bench, "--paper-local-work", "--models", "resnet18", "cnn", "pfl_cnn",
+                   "resnet10:16", "--algorithms", "fedavg", "--clients", "1", "5", "10", "50",
+                   "--modes", "side-by-side", "one-at-a-time", "side-by-side-patches", "vmap",
+                   "sequential", "--timeout", "120"]
+        precision = [*bench, "--paper-local-work", "--models", "resnet18", "--algorithms",
+                     "fedrcl", "--clients", "5", "--modes", "one-at-a-time", "--precisions",
+                     "fp32", "bf16", "fp16", "--timeout", "120"]
+        pfl_rounds, pfl_passes = 10, 3
+    # Shares of what is left: layouts 55 %, precision 15 %, pfl the rest.
+    _run(out, [*layouts, "--json", str(out / "layouts.json"), "--budget-s",
+               f"{0.55 * left() - 60:.0f}"], 0.55 * left(), env)
+    _run(out, [*precision, "--json", str(out / "precision.json"), "--budget-s",
+               f"{0.35 * left() - 45:.0f}"], 0.35 * left(), env)
+    _run(out, [sys.executable, str(ROOT / "tools" / "bench_pfl.py"), "--no-append", "--json",
+               str(out / "pfl.json"), "--pfl-python", args.pfl_python, "--pfl-device", device,
+               "--rounds", str(pfl_rounds), "--passes", str(pfl_passes)], left() - 15, env)
+    write_summary(out, info, time.perf_counter() - start)
+
+
+def write_summary(out: Path, info: dict, seconds: float) -> None:
+    """``gpu_check.md``: the phases' tables from their JSON files."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    from bench_round import ratios, table
+
+    lines = [f"# GPU check ({time.strftime('%Y-%m-%d %H:%M')} UTC, {seconds:.0f} s)", "",
+             f"Environment: `{json.dumps(info)}`", ""]
+    for name in ("layouts", "precision"):
+        path = out / f"{name}.json"
+        if not path.exists():
+            lines += [f"## {name}: no results (see gpu_check.log)", ""]
+            continue
+        d = json.loads(path.read_text())
+        lines += [f"## {name} ({d['machine']}; fp32 matmul peak "
+                  f"{d['matmul_peak_gflops']:.0f} GFLOP/s)", "",
+                  table(d["rows"], d["matmul_peak_gflops"]), "", *ratios(d["rows"]), ""]
+    path = out / "pfl.json"
+    if path.exists():
+        d = json.loads(path.read_text())
+        lines += ["## pfl-research workload (s per training round / per evaluation, medians)",
+                  ""]
+        ours = d["medians"].get("fedjax-rcl")
+        for name, m in d["medians"].items():
+            ratio = (f"; pfl's time / ours: training {m['train'] / ours['train']:.2f}x"
+                     if ours and name.startswith("pfl") else "")
+            lines.append(f"- {name}: {m['train']:.3f} s / round, eval {m['eval']:.3f} s{ratio}")
+    else:
+        lines.append("## pfl-research workload: no results (see gpu_check.log)")
+    (out / "gpu_check.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
