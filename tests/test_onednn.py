@@ -162,6 +162,23 @@ def test_low_precision_matches_the_patch_convolution(dtype):
     assert "fedjax_onednn_conv_forward" in hlo
 
 
+@needs_onednn
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "fp16"])
+def test_support_probe_answers_the_same_inside_a_trace(dtype):
+    """The first question may come while a model is being traced (the CPU convolution asks it):
+    the probe must still run eagerly, or it would be staged into that program, answer yes, and
+    fail at run time on a CPU without the type's kernels (seen: fp16 on a Zen 4)."""
+    onednn.supports.cache_clear()
+    eager = onednn.supports(dtype)
+    onednn.supports.cache_clear()
+    seen = []
+    jax.jit(lambda x: seen.append(onednn.supports(dtype)) or x).lower(1.0)
+    assert seen == [eager]
+    y = jax.jit(lambda x, w: conv.cpu_conv_general_dilated(x, w, (1, 1), PAD))(
+        *(a.astype(dtype) for a in _data(5, shape=(2, 6, 6, 4), kernel=(3, 3, 4, 8))))
+    assert y.dtype == dtype and bool(jnp.all(jnp.isfinite(y.astype(jnp.float32))))
+
+
 @pytest.fixture
 def unavailable(monkeypatch):
     """Makes the extension unavailable for the test, with a known reason."""

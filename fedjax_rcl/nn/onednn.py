@@ -178,19 +178,21 @@ def _varying_axes(x) -> frozenset:
 def supports(dtype) -> bool:
     """Whether oneDNN runs convolutions in ``dtype`` on this CPU (float32 always; bfloat16 and
     float16 where the CPU has the instructions oneDNN needs): a tiny forward and both
-    gradients are tried once, eagerly."""
+    gradients are tried once, eagerly, also when first asked while a program is being traced
+    (a probe staged into that program would fail at run time instead of here)."""
     dtype = np.dtype(dtype)
     if dtype == np.float32:
         return available()
     if not available() or dtype not in (np.dtype(jax.numpy.bfloat16), np.dtype(np.float16)):
         return False
-    x = jax.numpy.ones((1, 6, 6, 8), dtype)
-    w = jax.numpy.ones((3, 3, 8, 8), dtype)
     pad = ((1, 1), (1, 1))
     try:
-        y = conv_forward(x, w, (1, 1), pad)
-        jax.block_until_ready((y, conv_backward_data(y, w, x.shape, (1, 1), pad),
-                               conv_backward_weights(x, y, w.shape, (1, 1), pad)))
+        with jax.ensure_compile_time_eval():
+            x = jax.numpy.ones((1, 6, 6, 8), dtype)
+            w = jax.numpy.ones((3, 3, 8, 8), dtype)
+            y = conv_forward(x, w, (1, 1), pad)
+            jax.block_until_ready((y, conv_backward_data(y, w, x.shape, (1, 1), pad),
+                                   conv_backward_weights(x, y, w.shape, (1, 1), pad)))
     except Exception:  # oneDNN has no kernel for this type on this CPU
         return False
     return True
