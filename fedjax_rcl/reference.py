@@ -76,6 +76,8 @@ def _allowed() -> dict[str, Callable[[], tuple[str, ...]]]:
     """The keys whose values are names from a list, and where the list lives."""
     from fedjax_rcl.data.partitioning import METHODS
     from fedjax_rcl.engine.tables import CLIENT_TABLES
+    from fedjax_rcl.losses.contrastive import MININGS
+    from fedjax_rcl.models.base import PRECISIONS
     from fedjax_rcl.nn.conv import CONV_IMPLS
     from fedjax_rcl.nn.norm import NORMS
     from fedjax_rcl.server import AGGREGATIONS
@@ -87,6 +89,7 @@ def _allowed() -> dict[str, Callable[[], tuple[str, ...]]]:
             "partition": lambda: tuple(METHODS), "aggregation": lambda: tuple(AGGREGATIONS),
             "conv_impl": lambda: tuple(CONV_IMPLS), "norm": lambda: tuple(NORMS),
             "client_states": lambda: tuple(CLIENT_TABLES),
+            "precision": lambda: tuple(PRECISIONS), "fedrcl.mining": lambda: MININGS,
             "tracking.wandb_mode": lambda: tuple(WANDB_MODES)}
 
 

@@ -32,6 +32,8 @@ def test_docs_configuration_md_is_the_generated_reference():
     for key in ("seed", "fedrcl.beta", "server.fedadam.tau", "mfcl.bn_statistics",
                 "tracking.wandb_mode"):
         assert f"| `{key}` |" in generated
+    for values in ("`fp32`, `bf16`, `fp16`", "`hard`, `none`"):  # precision, fedrcl.mining
+        assert f"Allowed: {values}." in generated
 
 
 def test_attribute_docs_reads_google_style_sections():

@@ -30,7 +30,7 @@ _NORM_EPS = 1e-12
 _SIM_SENTINEL = 1e4
 # Logit sentinel for masked log-sum-exp: finite in float32 and bfloat16.
 _LOGIT_SENTINEL = 1e30
-_MININGS = ("hard", "none")
+MININGS = ("hard", "none")
 # Hard mining uses the ``min(2, B)`` hardest negatives (reference ``topk_neg: 2``).
 _NUM_HARD_NEGATIVES = 2
 
@@ -128,8 +128,8 @@ def _prepare(features: Features, labels: Labels) -> tuple[Array, Array, Array]:
 
 
 def _check_mining(mining: str) -> None:
-    if mining not in _MININGS:
-        raise ValueError(f"mining must be one of {_MININGS}, got {mining!r}.")
+    if mining not in MININGS:
+        raise ValueError(f"mining must be one of {MININGS}, got {mining!r}.")
 
 
 def _check_positive(name: str, value: float | Array) -> None:
