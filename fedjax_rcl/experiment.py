@@ -25,6 +25,7 @@ from fedjax_rcl.algorithms import ClientAlgorithm, make_algorithm, model_kwargs
 from fedjax_rcl.config import CoreConfig
 from fedjax_rcl.data import ImageDataset, load_dataset, partition
 from fedjax_rcl.data.device import ClientData, TestData, pack_clients, pack_test
+from fedjax_rcl.engine import layout
 from fedjax_rcl.engine.client import (
     LocalTraining,
     client_optimizer,
@@ -109,31 +110,34 @@ def make_partition(cfg: CoreConfig, labels: np.ndarray) -> list[np.ndarray]:
                            f"{len(labels)} training samples: {e}"]) from None
 
 
-def clients_in_parallel(cfg: CoreConfig, platform: str | None = None) -> int | None:
-    """``cfg.clients_in_parallel``, with 0 resolved: all sampled clients side by side (None),
-    except the models registered ``one_client_at_a_time_on_cpu`` (the ResNets, pfl's CNN), which
-    train one client after another on a CPU (1), and ``one_client_at_a_time_on_gpu`` (the
-    ResNets), likewise on a GPU.
+def clients_in_parallel(cfg: CoreConfig, step_gflop: float,
+                        platform: str | None = None) -> int | None:
+    """``cfg.clients_in_parallel``, with 0 resolved by the layout cost model
+    (``fedjax_rcl.engine.layout``): all sampled clients side by side (None) when one client's
+    training step costs less than the platform's threshold, else one client after another (1).
 
-    Why: on a CPU, batching clients buys no throughput (the cores are busy with one client's
-    convolutions) and costs cache and memory, so a ResNet round and the pfl workload's round
-    are faster one client after another; MOON's CNN (small weights) is as fast either way, so
-    it stays vmapped. On a GPU, vmapped clients' convolutions become grouped convolutions, and
-    a ResNet-18 round was faster one client after another in the same compiled program. The
-    measurements are in BENCHMARKS.md ("Clients side by side"). TPUs keep the vmapped layout
-    (not measured).
+    ``step_gflop``: one client's training step in GFLOP (``training_step_gflop``). Why a cost
+    model: on a CPU a large client step (a ResNet, pfl's CNN) already keeps the cores busy and
+    side by side only costs cache and memory, while MOON's small CNN gains from it; on a GPU,
+    vmapped clients' convolutions become grouped convolutions, and a ResNet-18 round was faster
+    one client after another (BENCHMARKS.md, "Which client layout").
     """
     if cfg.clients_in_parallel:
         return cfg.clients_in_parallel
-    platform = platform or jax.default_backend()
-    entry = registry.model(cfg.model)
-    one_at_a_time = {"cpu": entry.one_client_at_a_time_on_cpu,
-                     "gpu": entry.one_client_at_a_time_on_gpu}.get(platform, False)
-    return 1 if one_at_a_time else None
+    return None if layout.side_by_side(step_gflop, platform or jax.default_backend()) else 1
+
+
+def training_step_gflop(model: ModelFns, params, model_state, image_shape, batch_size: int,
+                        num_views: int = 1) -> float:
+    """GFLOP of one client's training step: 3x the forward pass over ``batch_size`` samples of
+    each of the algorithm's ``num_views`` views (an algorithm's extra forward passes, such as
+    MOON's two frozen models, are not counted)."""
+    fwd = layout.forward_flops(model.apply, params, model_state, image_shape, batch_size)
+    return layout.TRAIN_STEP_FACTOR * num_views * fwd / 1e9
 
 
 def build(cfg: CoreConfig, dataset: ImageDataset | None = None, *,
-          module: nn.Module | None = None) -> Experiment:
+          module: nn.Module | None = None, pad_clients_to: int | None = None) -> Experiment:
     """Assembles a run (nothing is compiled yet).
 
     Args:
@@ -141,6 +145,9 @@ def build(cfg: CoreConfig, dataset: ImageDataset | None = None, *,
       dataset: an already loaded dataset (tests reuse one); default ``load_dataset(cfg.dataset)``.
       module: a Flax model to use instead of ``cfg.model`` (its ``__call__(x, *, train)`` must
         return a ``ModelOutput``).
+      pad_clients_to: shape the program for clients of up to this many samples (at least the
+        largest client's): several runs with different partitions then share one program.
+        The extra steps are masked, as an uneven client's are, so the results do not change.
     """
     dataset = dataset or load_dataset(cfg.dataset, data_dir=cfg.data_dir)
     if cfg.num_clients > len(dataset.train_labels):
@@ -156,7 +163,9 @@ def build(cfg: CoreConfig, dataset: ImageDataset | None = None, *,
         mesh = client_mesh(cfg.devices)
     except ValueError as e:
         raise ConfigError([str(e)]) from None
-    data = put_replicated(pack_clients(dataset.train_images, dataset.train_labels, parts), mesh)
+    padded = max(largest, pad_clients_to or 0)
+    data = put_replicated(pack_clients(dataset.train_images, dataset.train_labels, parts, padded),
+                          mesh)
     test = put_replicated(pack_test(dataset.test_images, dataset.test_labels,
                                     cfg.eval_batch_size), mesh)
 
@@ -175,8 +184,8 @@ def build(cfg: CoreConfig, dataset: ImageDataset | None = None, *,
     settings = LocalTraining(
         batch_size=cfg.batch_size,
         local_epochs=cfg.local_epochs,
-        steps_per_epoch=math.ceil(int(sizes.max()) / cfg.batch_size),
-        uniform_sizes=bool(sizes.min() == sizes.max()),
+        steps_per_epoch=math.ceil(padded / cfg.batch_size),
+        uniform_sizes=bool(sizes.min() == sizes.max() == padded),
         lr_fn=lambda r, e: cfg.lr * jnp.power(cfg.lr_decay, (r + e).astype(jnp.float32)),
         mean=dataset.mean,
         std=dataset.std,
@@ -198,10 +207,13 @@ def build(cfg: CoreConfig, dataset: ImageDataset | None = None, *,
                                      penalty=sopt.client_penalty, penalty_name=sopt.penalty_name)
     reports = report_like(train_model, algorithm, params, model_state, dataset.image_shape,
                           cfg.batch_size, settings.num_views)
+    step_gflop = (training_step_gflop(model, params, model_state, dataset.image_shape,
+                                      cfg.batch_size, settings.num_views)
+                  if not cfg.clients_in_parallel else math.nan)
     round_rows = make_round(local_update, sopt, num_clients=cfg.num_clients,
                             server_message=algorithm.server_message,
                             participation=cfg.participation, aggregation=cfg.aggregation,
-                            mesh=mesh, clients_in_parallel=clients_in_parallel(cfg))
+                            mesh=mesh, clients_in_parallel=clients_in_parallel(cfg, step_gflop))
     table = client_table(cfg.client_states, cfg.num_clients,
                          clients_per_round(cfg.num_clients, cfg.participation), mesh)
     state = init_server_state(params, model_state, algorithm, sopt, root, reports)

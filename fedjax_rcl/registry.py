@@ -94,14 +94,6 @@ class ModelEntry:
       num_levels: feature levels in its ``ModelOutput.features``.
       norms: the ``norm=`` values it accepts (its first is the default).
       width: whether ``width=`` applies (a ResNet's first-stage channels).
-      one_client_at_a_time_on_cpu: ``clients_in_parallel=0`` trains one client after another on
-        a CPU (the ResNets, whose convolutions keep the cores busy with one client, and pfl's
-        CNN, whose 6.5 MB of weights stay in cache through one client's steps).
-      one_client_at_a_time_on_gpu: the same on a GPU: XLA batches a convolution whose weights
-        are vmapped (one set per client) into a grouped convolution, and one ResNet-18 client
-        at batch 50 already keeps a large GPU busy, so vmapped clients were slower than the same
-        compiled round one client after another (BENCHMARKS.md, "Clients side by side on a
-        GPU"). Set for the ResNets (measured on ResNet-18 only).
       num_blocks: the blocks the model is cut into for FedMLB's hybrid paths: its
         ``ModelOutput.blocks`` has this many activations and ``__call__(h, train=..., start=k)``
         runs the model from block ``k`` on ``h = blocks[k - 1]``; 0: the model cannot be entered
@@ -113,9 +105,7 @@ class ModelEntry:
     num_levels: int
     norms: tuple[str, ...] = ("group",)
     width: bool = False
-    one_client_at_a_time_on_cpu: bool = False
     num_blocks: int = 0
-    one_client_at_a_time_on_gpu: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -213,12 +203,9 @@ def register_algorithm(name: str, build: Callable, *, config: type | None = None
 
 def register_model(name: str, build: Callable, *, num_levels: int,
                    norms: tuple[str, ...] = ("group",), width: bool = False,
-                   one_client_at_a_time_on_cpu: bool = False, num_blocks: int = 0,
-                   one_client_at_a_time_on_gpu: bool = False,
-                   replace: bool = False) -> ModelEntry:
+                   num_blocks: int = 0, replace: bool = False) -> ModelEntry:
     """Makes ``model=name`` available (see ``ModelEntry`` for the arguments)."""
-    entry = ModelEntry(name, build, num_levels, tuple(norms), width,
-                       one_client_at_a_time_on_cpu, num_blocks, one_client_at_a_time_on_gpu)
+    entry = ModelEntry(name, build, num_levels, tuple(norms), width, num_blocks)
     _add(MODELS, entry, "model", replace)
     return entry
 

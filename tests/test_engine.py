@@ -8,6 +8,7 @@ import pytest
 from engine_reference import sequential_round
 
 from fedjax_rcl.config import Config
+from fedjax_rcl.engine import layout
 from fedjax_rcl.engine.round import client_keys, make_run_rounds, sample_clients
 from fedjax_rcl.experiment import build
 from fedjax_rcl.server import weighted_mean
@@ -45,16 +46,53 @@ def test_vmapped_round_equals_sequential_clients(toy, kw):
         assert sizes.min() != sizes.max(), "the uneven case must really be uneven"
 
 
-def test_auto_clients_in_parallel_is_one_only_for_resnets_on_cpu_and_gpu():
+def _step_gflop(model, **kw):
+    from fedjax_rcl.experiment import training_step_gflop
+    from fedjax_rcl.models import get_model, model_fns
+
+    m = model_fns(get_model(model, num_classes=10, **kw))
+    params, state = m.init(jax.random.PRNGKey(0), np.zeros((1, 32, 32, 3)))
+    return training_step_gflop(m, params, state, (32, 32, 3), batch_size=50)
+
+
+def test_auto_clients_in_parallel_follows_the_measured_layout_table():
+    """``clients_in_parallel=0`` resolves by the cost model to what BENCHMARKS.md's layout
+    tables measured fastest: on a CPU MOON's CNN side by side, pfl's CNN and the ResNets (the
+    narrow ResNet-10 too) one at a time; on a GPU ResNet-18 one at a time; TPUs side by side
+    (not measured). An explicit value always wins."""
     from fedjax_rcl.experiment import clients_in_parallel
 
-    assert clients_in_parallel(_cfg(model="resnet18"), "cpu") == 1
-    assert clients_in_parallel(_cfg(model="resnet18"), "gpu") == 1  # grouped convs: 1.91x
-    assert clients_in_parallel(_cfg(model="resnet18"), "tpu") is None
-    assert clients_in_parallel(_cfg(model="cnn"), "gpu") is None
-    assert clients_in_parallel(_cfg(model="resnet18", clients_in_parallel=4), "gpu") == 4
-    assert clients_in_parallel(_cfg(model="cnn"), "cpu") is None
-    assert clients_in_parallel(_cfg(model="resnet18", clients_in_parallel=4), "cpu") == 4
+    cnn, pfl = _step_gflop("cnn"), _step_gflop("pfl_cnn")
+    r10, r18 = _step_gflop("resnet10", width=16), _step_gflop("resnet18")
+    assert cnn < pfl and cnn < r10 < r18
+    assert clients_in_parallel(_cfg(model="cnn"), cnn, "cpu") is None
+    for model, gflop in (("pfl_cnn", pfl), ("resnet10", r10), ("resnet18", r18)):
+        assert clients_in_parallel(_cfg(model=model), gflop, "cpu") == 1, model
+    assert clients_in_parallel(_cfg(model="resnet18"), r18, "gpu") == 1  # grouped convs
+    assert clients_in_parallel(_cfg(model="cnn"), cnn, "gpu") is None
+    assert clients_in_parallel(_cfg(model="resnet18"), r18, "tpu") is None
+    assert clients_in_parallel(_cfg(model="resnet18", clients_in_parallel=4), r18, "gpu") == 4
+    assert clients_in_parallel(_cfg(model="cnn", clients_in_parallel=4), cnn, "cpu") == 4
+
+
+def test_build_resolves_the_layout_from_the_models_own_flops(monkeypatch, toy):
+    """``build`` counts the configured model's step (3 x forward x batch x views) and hands the
+    resolved layout to the round."""
+    from fedjax_rcl import experiment
+
+    seen = {}
+    real = experiment.clients_in_parallel
+
+    def spy(cfg, step_gflop, platform=None):
+        seen["gflop"] = step_gflop
+        return real(cfg, step_gflop, platform)
+
+    monkeypatch.setattr(experiment, "clients_in_parallel", spy)
+    exp = experiment.build(_cfg(model="cnn", batch_size=8), toy)
+    fwd = layout.forward_flops(exp.model.apply, exp.state.params, exp.state.model_state,
+                               exp.dataset.image_shape, 8)
+    assert seen["gflop"] == pytest.approx(3 * fwd / 1e9)
+    assert seen["gflop"] > 0
 
 
 def test_weighted_mean_over_client_axis():

@@ -11,7 +11,9 @@ configurations and the next phase begins):
    every client side by side (``vmap``; grouped convolutions), side by side with the patch
    convolutions (the client axis becomes the batch of a ``dot_general``), one client after
    another inside the program, and a Python loop over the jitted client update (1 and 5
-   clients), plus the default layout (``tools/bench_round.py``).
+   clients), plus the default layout (``tools/bench_round.py``); ``gpu_check.md`` adds the
+   default's ratio to the best layout and the cost model's threshold fitted to the table
+   (``tools/fit_layout.py``), to be copied into ``fedjax_rcl/engine/layout.py``.
 3. ``precision.json``: the FedRCL ResNet-18 round of 5 clients in fp32, bf16 and fp16
    (``precision=``), one client after another.
 4. ``pfl.json``: pfl-research's CIFAR-10 workload, ours against pfl 0.6.0's own simulation
@@ -171,6 +173,13 @@ def write_summary(out: Path, info: dict, seconds: float) -> None:
         lines += [f"## {name} ({d['machine']}; fp32 matmul peak "
                   f"{d['matmul_peak_gflops']:.0f} GFLOP/s)", "",
                   table(d["rows"], d["matmul_peak_gflops"]), "", *ratios(d["rows"]), ""]
+        if name == "layouts":  # the default's ratio to the best layout, the threshold's fit
+            try:
+                from fit_layout import analyse, markdown
+                lines += ["### The default layout and the cost model", "",
+                          markdown(analyse(d)), ""]
+            except Exception as e:  # noqa: BLE001 - the summary must still be written
+                lines += [f"(fit_layout failed: {e!r})", ""]
     path = out / "pfl.json"
     if path.exists():
         d = json.loads(path.read_text())

@@ -40,23 +40,29 @@ class ClientData:
         return self.client_indices.shape[1]
 
 
-def index_table(parts: Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
-    """Pads a list of per-client index arrays into ``([num_clients, max_size], [num_clients])``."""
+def index_table(parts: Sequence[np.ndarray], width: int | None = None
+                ) -> tuple[np.ndarray, np.ndarray]:
+    """Pads a list of per-client index arrays into ``([num_clients, width], [num_clients])``;
+    ``width`` defaults to the largest client (a larger one pads several runs to one shape)."""
     sizes = np.asarray([len(p) for p in parts], np.int32)
     if sizes.min(initial=1) < 1:
         empty = int(np.argmin(sizes))
         raise ValueError(f"client {empty} has no samples; every client needs at least one")
-    table = np.zeros((len(parts), int(sizes.max())), np.int32)
+    width = int(sizes.max()) if width is None else width
+    if width < sizes.max():
+        raise ValueError(f"width {width} < the largest client's {int(sizes.max())} samples")
+    table = np.zeros((len(parts), width), np.int32)
     for k, p in enumerate(parts):
         table[k, : len(p)] = p
     return table, sizes
 
 
 def pack_clients(images: np.ndarray, labels: np.ndarray,
-                 parts: Sequence[np.ndarray]) -> ClientData:
-    """The training set and the partition as host arrays; ``engine.sharding.put_replicated``
-    then places them on the devices (one transfer each)."""
-    table, sizes = index_table(parts)
+                 parts: Sequence[np.ndarray], width: int | None = None) -> ClientData:
+    """The training set and the partition as host arrays (each client's indices padded to
+    ``width``, default the largest client); ``engine.sharding.put_replicated`` then places
+    them on the devices (one transfer each)."""
+    table, sizes = index_table(parts, width)
     return ClientData(images=np.asarray(images, np.uint8), labels=np.asarray(labels, np.int32),
                       client_indices=table, client_sizes=sizes)
 

@@ -241,7 +241,4 @@ def build(num_classes, *, conv_impl="auto", norm="twin", width=None, projection_
     return Autoencoder(norm=norm, group_size=group_size, conv_impl=conv_impl)
 
 
-# One client after another on a CPU: a phase-1 round of the tiny MFCL run is faster so than
-# vmapped (BENCHMARKS.md).
-register_model("mfcl_autoencoder", build, num_levels=1, norms=("twin", "group", "batch"),
-               one_client_at_a_time_on_cpu=True)
+register_model("mfcl_autoencoder", build, num_levels=1, norms=("twin", "group", "batch"))

@@ -6,10 +6,10 @@ conv3x3(C->32, valid) -> ReLU -> conv3x3(32->64, valid) -> ReLU -> maxpool2 -> d
 -> flatten -> dense 128 -> ReLU -> dropout 0.5 -> dense(num_classes); 1,626,442 parameters for
 32x32x3 inputs and 10 classes. Dropout is active when training and draws its masks from the
 ``"dropout"`` key the engine passes every local step, one random byte per element
-(``fedjax_rcl.nn.dropout``). On a CPU clients train one after another
-(``one_client_at_a_time_on_cpu``): a client's 6.5 MB of weights, most of them the dense layer's,
-then stay in cache through its steps, where 50 vmapped clients' weights do not (BENCHMARKS.md,
-the pfl workload).
+(``fedjax_rcl.nn.dropout``). At batch 50 a client's training step costs 5 GFLOP, so on a CPU
+clients train one after another (``fedjax_rcl.engine.layout``): a client's 6.5 MB of weights,
+most of them the dense layer's, then stay in cache through its steps, where 50 vmapped
+clients' weights do not (BENCHMARKS.md, the pfl workload).
 Levels (pre-ReLU): the two conv outputs and the hidden dense output. Blocks (FedMLB): conv1,
 conv2 + pool, dense 128.
 """
@@ -76,5 +76,4 @@ def _build(num_classes, *, conv_impl="auto", norm="group", width=None, projectio
     return PflCNN(num_classes, conv_impl=conv_impl, projection_dim=projection_dim)
 
 
-register_model("pfl_cnn", _build, num_levels=3, norms=("group",), num_blocks=3,
-               one_client_at_a_time_on_cpu=True)
+register_model("pfl_cnn", _build, num_levels=3, norms=("group",), num_blocks=3)

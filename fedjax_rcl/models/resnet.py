@@ -168,5 +168,4 @@ for _name, _make in (("resnet10", resnet10), ("resnet18", resnet18), ("resnet34"
     # Levels: the stem's normalised output and each stage's output (FedRCL's five levels).
     # Blocks (FedMLB): the stem and the four stages, as the FedMLB authors cut ResNet-18.
     register_model(_name, _builder(_make), num_levels=5, norms=("group", "batch", "twin"),
-                   width=True, one_client_at_a_time_on_cpu=True, num_blocks=5,
-                   one_client_at_a_time_on_gpu=True)
+                   width=True, num_blocks=5)

@@ -1,0 +1,123 @@
+"""Which client layout a round uses when ``clients_in_parallel=0``: a cost model fitted to a
+measured table.
+
+A round trains its sampled clients either side by side (``vmap`` over the client axis: every
+operation runs once for all clients, with per-client weights) or one after another inside the
+same compiled program (``clients_in_parallel=1``). Which is faster depends on how much work one
+client's step already gives the machine:
+
+* a small client step (MOON's CNN: ~0.1 GFLOP) leaves the cores or the GPU mostly idle between
+  operations, and side by side runs many clients for the price of one;
+* a large one (a ResNet, pfl-research's CNN) already keeps the machine busy; side by side then
+  buys nothing and costs memory and cache, and on a GPU its per-client weights turn every
+  convolution into a grouped convolution, which runs far below the dense one's speed.
+
+The model: clients run side by side iff one client's training step (forward and backward of one
+batch, ``3 x`` the forward FLOPs) costs less than ``SIDE_BY_SIDE_BELOW_GFLOP[platform]``. The
+thresholds are fitted to the layout tables in BENCHMARKS.md ("Which client layout") by
+``tools/fit_layout.py``: the geometric mean of the largest step measured fastest side by side and
+the smallest measured fastest one at a time. The FLOPs are counted from the model's own
+program (its convolutions and matrix products), so a new model needs no flag.
+
+A cost model rather than a timed probe: the choice is deterministic (the two layouts can differ
+in the last bits of a result, so a run must not depend on which probe happened to win) and costs
+no compile.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import jax
+import numpy as np
+from jax.extend import core as jex_core
+
+# One client's training step below this many GFLOP: clients side by side; at or above: one at a
+# time (see the module docstring).
+# - cpu: fitted by tools/fit_layout.py to the CPU layout table in BENCHMARKS.md ("Which client
+#   layout"): MOON's CNN (0.196 GFLOP at batch 50) fastest side by side; pfl's CNN (5.05),
+#   ResNet-10 at width 16 (4.85) and ResNet-18 (167) fastest one at a time; the geometric mean
+#   of 0.196 and 4.85 is 0.974. (MFCL's autoencoder, 45 GFLOP at batch 64, was measured faster
+#   one at a time too.)
+# - gpu: provisional until a GPU's table is fitted (tools/gpu_check.py prints the fit). The one
+#   GPU measurement: ResNet-18 (167 GFLOP) 0.52x as fast side by side on an H200, where one
+#   client's step ran at 57 TFLOP/s (2.9 ms). At that rate a 20 GFLOP step lasts 0.35 ms, about
+#   what launching its forward and backward kernels costs; smaller steps leave the GPU idle
+#   between kernels, and side by side (even as grouped convolutions) fills it.
+# - tpu: not measured; side by side.
+SIDE_BY_SIDE_BELOW_GFLOP = {"cpu": 0.97, "gpu": 20.0, "tpu": math.inf}
+
+# Forward + backward of a training step: the backward costs about twice the forward.
+TRAIN_STEP_FACTOR = 3
+
+_ONEDNN_FORWARD = "fedjax_onednn_conv_forward"
+
+
+def _subjaxprs(value):
+    """The jaxprs inside an equation's parameter (a jaxpr, a closed jaxpr, or tuples of them)."""
+    if isinstance(value, jex_core.ClosedJaxpr):
+        yield value.jaxpr
+    elif isinstance(value, jex_core.Jaxpr):
+        yield value
+    elif isinstance(value, (tuple, list)):
+        for v in value:
+            yield from _subjaxprs(v)
+
+
+def jaxpr_flops(jaxpr) -> float:
+    """Multiply-adds x 2 of the convolutions and matrix products in ``jaxpr`` (a ``Jaxpr`` or
+    ``ClosedJaxpr``), nested programs included (a ``scan`` body counted ``length`` times; of a
+    ``cond``'s branches the costliest). Convolutions run through the project's oneDNN kernels
+    count like ``conv_general_dilated``. Elementwise work is not counted: it is small beside
+    these in the models here, and the same in either layout."""
+    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+    total = 0.0
+    for eqn in jaxpr.eqns:
+        name = eqn.primitive.name
+        if name == "conv_general_dilated":
+            out, rhs = eqn.outvars[0].aval, eqn.invars[1].aval
+            out_features = rhs.shape[eqn.params["dimension_numbers"].rhs_spec[0]]
+            total += 2.0 * math.prod(out.shape) * math.prod(rhs.shape) / out_features
+        elif name == "dot_general":
+            (lhs_contract, _), _ = eqn.params["dimension_numbers"]
+            lhs = eqn.invars[0].aval
+            k = math.prod(lhs.shape[d] for d in lhs_contract)
+            total += 2.0 * math.prod(eqn.outvars[0].aval.shape) * k
+        elif name == "ffi_call" and eqn.params.get("target_name") == _ONEDNN_FORWARD:
+            out, w = eqn.outvars[0].aval, eqn.invars[1].aval  # NHWC, HWIO
+            total += 2.0 * math.prod(out.shape) * math.prod(w.shape[:3])
+        elif name == "cond":
+            total += max(jaxpr_flops(b) for b in eqn.params["branches"])
+        else:
+            inner = sum(jaxpr_flops(j) for v in eqn.params.values() for j in _subjaxprs(v))
+            total += inner * (eqn.params["length"] if name == "scan" else 1)
+    return total
+
+
+def forward_flops(apply: Callable, params, model_state, image_shape, batch_size: int) -> float:
+    """FLOPs of one forward pass of ``apply(params, model_state, images, train=False)`` on a
+    batch of ``batch_size`` images of ``image_shape``, counted from its traced program (nothing
+    is compiled or run)."""
+    images = jax.ShapeDtypeStruct((batch_size, *image_shape), np.float32)
+    jaxpr = jax.make_jaxpr(lambda p, s, x: apply(p, s, x, train=False))(
+        params, model_state, images)
+    return jaxpr_flops(jaxpr)
+
+
+def side_by_side(step_gflop: float, platform: str) -> bool:
+    """Whether clients whose training step costs ``step_gflop`` GFLOP run side by side on
+    ``platform`` (``cpu``, ``gpu``, ``tpu``; others are treated as ``tpu``)."""
+    return step_gflop < SIDE_BY_SIDE_BELOW_GFLOP.get(platform, math.inf)
+
+
+def fit_threshold(best: dict[float, bool]) -> float | None:
+    """The threshold the cost model would use given ``{step GFLOP: fastest side by side?}``:
+    the geometric mean of the largest side-by-side step and the smallest one-at-a-time step,
+    or None when the table cannot separate them (a one-at-a-time step below a side-by-side
+    one) or has only one kind."""
+    together = [g for g, s in best.items() if s]
+    apart = [g for g, s in best.items() if not s]
+    if not together or not apart or max(together) >= min(apart):
+        return None
+    return math.sqrt(max(together) * min(apart))
