@@ -26,7 +26,7 @@ import warnings
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
-from fedjax_rcl import registry, training
+from fedjax_rcl import grid, registry, training
 from fedjax_rcl.config import CoreConfig, load_config, to_dict
 from fedjax_rcl.data import ImageDataset
 from fedjax_rcl.loop import Callback, load_run_config, resume_config
@@ -51,12 +51,15 @@ class Run:
       metrics: every metrics line of the run, in order (``metrics.jsonl``; the lines of earlier
         processes of a resumed run included).
       stopped_early: a callback stopped the run before its last round (it resumes from there).
+      members: for several runs in one program (``seeds=[...]``), each seed's run (its
+        ``metrics`` are its own); the grid's own ``metrics`` are empty.
     """
 
     run_dir: Path
     config: CoreConfig
     metrics: list[dict]
     stopped_early: bool = False
+    members: tuple[Run, ...] = ()
 
     @property
     def last(self) -> dict | None:
@@ -85,7 +88,10 @@ def _lines(run_dir: Path) -> list[dict]:
 
 
 def _read(run_dir: Path, cfg: CoreConfig, result: dict) -> Run:
-    return Run(run_dir, cfg, _lines(run_dir), bool(result.get("stopped_early", False)))
+    members = tuple(_read(Path(c.run_dir), c, result)
+                    for c in grid.member_configs(cfg, run_dir)) if cfg.seeds else ()
+    return Run(run_dir, cfg, _lines(run_dir), bool(result.get("stopped_early", False)),
+               members)
 
 
 def _config(config, overrides) -> CoreConfig:
@@ -131,7 +137,9 @@ def train(config=None, *overrides: str, callbacks: tuple[Callback, ...] = (),
     start = PROGRAMS[registry.algorithm(cfg.algorithm).command][0]
     kwargs = dict(dataset=dataset, log=log, command=command, callbacks=tuple(callbacks),
                   progress=progress)
-    if start is training.train:
+    if cfg.seeds:
+        start = grid.train_grid
+    if start in (training.train, grid.train_grid):
         kwargs["warn"] = _warn
     result = start(cfg, **kwargs)
     return _read(Path(result["run_dir"]), cfg, result)
@@ -148,16 +156,22 @@ def resume(run_dir: str | os.PathLike, *overrides: str, force: bool = False,
     run_dir = Path(run_dir)
     cfg = resume_config(run_dir, list(overrides), force=force)
     log = log or (print if progress else _silent)
-    result = PROGRAMS[registry.algorithm(cfg.algorithm).command][1](
-        run_dir, cfg, force=force, dataset=dataset, progress=progress, log=log,
-        command=command, callbacks=tuple(callbacks))
+    go_on = (grid.continue_grid if cfg.seeds
+             else PROGRAMS[registry.algorithm(cfg.algorithm).command][1])
+    result = go_on(run_dir, cfg, force=force, dataset=dataset, progress=progress, log=log,
+                   command=command, callbacks=tuple(callbacks))
     return _read(run_dir, cfg, result)
 
 
 def evaluate(run_dir: str | os.PathLike, *, dataset: ImageDataset | None = None) -> dict:
     """Evaluates a federated run's newest complete checkpoint on the full test set:
-    ``{"run_dir", "round", "test_accuracy", "test_loss", "test_accuracy_ema"}``."""
-    return training.evaluate_run(run_dir, dataset=dataset)
+    ``{"run_dir", "round", "test_accuracy", "test_loss", "test_accuracy_ema"}``; for several
+    runs in one program (``seeds=[...]``), ``{"run_dir", "runs": [each run's], and the mean
+    and sd over them of "test_accuracy" and "test_loss"}``."""
+    _, cfg = load_run_config(Path(run_dir))
+    if not cfg.seeds:
+        return training.evaluate_run(run_dir, dataset=dataset)
+    return grid.evaluate_grid(run_dir, cfg, dataset=dataset)
 
 
 def load(run_dir: str | os.PathLike) -> Run:

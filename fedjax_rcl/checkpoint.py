@@ -93,8 +93,10 @@ class Checkpointer:
         self._manager.reload()
         return sorted(self._manager.all_steps())
 
-    def restore_latest(self, like, *, older_layouts=()) -> Restored | None:
-        """The newest checkpoint that restores and matches its fingerprint, else None.
+    def restore_latest(self, like, *, older_layouts=(), at_most: int | None = None
+                       ) -> Restored | None:
+        """The newest checkpoint (of step ``at_most`` or earlier, if given) that restores and
+        matches its fingerprint, else None.
 
         Args:
           like: a state with the right structure, shapes and dtypes (e.g. the freshly built
@@ -104,7 +106,7 @@ class Checkpointer:
             ``like_then`` and, if it restores, ``upgrade(state)`` gives the current layout.
         """
         layouts = [(like, lambda s: s), *older_layouts]
-        for step in reversed(self.steps()):
+        for step in reversed([s for s in self.steps() if at_most is None or s <= at_most]):
             try:
                 for i, (target, convert) in enumerate(layouts):
                     abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, target)

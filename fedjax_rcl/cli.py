@@ -72,6 +72,9 @@ def parser() -> argparse.ArgumentParser:
     rep.add_argument("--out", default="report", help="output directory (default: report)")
     rep.add_argument("--at", nargs="+", type=int, default=[], metavar="ROUND",
                      help="rounds to tabulate (default: the last round every run reached)")
+    rep.add_argument("--baseline", metavar="METHOD",
+                     help="also each method's paired difference from this one (its label in "
+                     "the table, e.g. fedavg), seed by seed, mean ± sd over the seeds")
     m = sub.add_parser("mfcl", help="MFCL: federated client-module training, the server's "
                        "contrastive training on the clients' representations, linear probe")
     _config_args(m)
@@ -171,7 +174,7 @@ def _command(argv: list[str] | None) -> int:
             from fedjax_rcl.report import ReportError, report
 
             try:
-                print(report(args.run_dirs, args.out, args.at))
+                print(report(args.run_dirs, args.out, args.at, args.baseline))
             except ReportError as e:
                 return _fail(str(e), EXIT_USAGE)
             return 0
@@ -199,7 +202,10 @@ def _command(argv: list[str] | None) -> int:
             if args.print_config:
                 print(to_yaml(cfg), end="")
                 return 0
-            from fedjax_rcl.training import train
+            if cfg.seeds:
+                from fedjax_rcl.grid import train_grid as train
+            else:
+                from fedjax_rcl.training import train
 
             train(cfg, progress=not args.no_progress, command=command_line)
         elif args.command == "partition":

@@ -74,6 +74,11 @@ class CoreConfig:
     Attributes:
       seed: the root of every random choice of the run: the split, the initial weights, the
         client sampling and each client's shuffles and augmentations.
+      seeds: several runs in one compiled program, one per seed (``seeds=[0,1,2]``): each an
+        ordinary run directory ``run_dir/seed-<s>`` with ``seed: s``, equal to that seed run
+        alone; ``seed`` is then unused. Empty: one run.
+      runs_in_parallel: with ``seeds``, runs trained side by side (``vmap``) within the
+        program; 1: one after another (each bitwise equal to its run alone); 0: all at once.
       init_threefry_partitionable: draw the initial weights with threefry's partitionable
         bit layout (JAX's default), as the project's earliest runs did, so that a new run can
         share their start.
@@ -136,6 +141,8 @@ class CoreConfig:
     """
 
     seed: int = 0
+    seeds: list[int] = field(default_factory=list)
+    runs_in_parallel: int = 1
     init_threefry_partitionable: bool = False
     dataset: str = "digits"
     data_dir: str | None = None
@@ -406,7 +413,8 @@ RESUME_SAFE_KEYS = ("rounds", "checkpoint_every", "keep_checkpoints", "eval_batc
 # Settings added after runs existed, at their default (what a run's config without them
 # means): left out of the digest while they hold it, so that the runs' checkpoints still resume.
 DIGEST_NEUTRAL_DEFAULTS = {"mfcl.bn_statistics": "running", "init_threefry_partitionable": False,
-                           "client_eval": False, "precision": "fp32"}
+                           "client_eval": False, "precision": "fp32", "seeds": [],
+                           "runs_in_parallel": 1}
 
 
 def flat_keys(d: dict, prefix: str = "") -> dict:
@@ -626,6 +634,19 @@ def validate(cfg: CoreConfig, *, check_data: bool = True) -> None:
     require(p, cfg.clients_in_parallel >= 0, "clients_in_parallel", cfg.clients_in_parallel,
            "must be >= 0 (0: all sampled clients at once)")
     one_of(p, "client_states", cfg.client_states, CLIENT_TABLES)
+    seeds = list(cfg.seeds)
+    require(p, all(isinstance(x, int) and x >= 0 for x in seeds), "seeds", seeds,
+           "must be a list of integers >= 0")
+    require(p, len(set(seeds)) == len(seeds), "seeds", seeds, "must not repeat a seed")
+    require(p, cfg.runs_in_parallel >= 0, "runs_in_parallel", cfg.runs_in_parallel,
+           "must be >= 0 (0: all runs side by side, 1: one after another)")
+    if seeds:
+        require(p, cfg.client_states == "device", "client_states", cfg.client_states,
+               "must be 'device' with seeds (the runs' tables live in one program)")
+        require(p, cfg.devices == 1, "devices", cfg.devices,
+               "must be 1 with seeds (several runs share one device)")
+        require(p, cfg.distributed.num_processes == 1, "distributed.num_processes",
+               cfg.distributed.num_processes, "must be 1 with seeds")
     d = cfg.distributed
     require(p, d.num_processes >= 1, "distributed.num_processes", d.num_processes, "must be >= 1")
     require(p, 0 <= d.process_id < max(d.num_processes, 1), "distributed.process_id",

@@ -19,6 +19,12 @@ into the *method* (the algorithm, its own section's keys, the server optimizer) 
   ``client_eval``);
 * ``beta_sweep.png`` when the runs differ only in ``fedrcl.beta`` (and the setting): final EMA
   accuracy against beta (paper Fig. 4/B).
+
+Runs that differ only in ``seed`` share a cell: the table gives the mean ± sd over them (and
+n), the curves the mean with a shaded ± sd band, and with ``baseline`` (a method's label, such
+as ``fedavg``) a second table gives each method's paired difference from the baseline, seed by
+seed: mean ± sd of ``method(seed) - baseline(seed)`` over the seeds both ran. A grid directory
+(``train 'seeds=[...]'``) stands for its members.
 """
 
 from __future__ import annotations
@@ -92,6 +98,22 @@ def _result_keys(config: dict) -> dict:
     return out
 
 
+def _grid_members(path: Path) -> list[Path]:
+    """The member directories of a grid (a run directory whose config has ``seeds``)."""
+    try:
+        config = yaml.safe_load((path / "config.yaml").read_text()) or {}
+    except (OSError, yaml.YAMLError):
+        return []
+    seeds = config.get("seeds") or []
+    return [path / f"seed-{s}" for s in seeds]
+
+
+def load_runs(path: str | Path) -> list[Run]:
+    """A run directory's run, or a grid's member runs."""
+    members = _grid_members(Path(path))
+    return [load_run(m) for m in members] if members else [load_run(path)]
+
+
 def load_run(path: str | Path) -> Run:
     path = Path(path)
     cfg, metrics = path / "config.yaml", path / "metrics.jsonl"
@@ -130,9 +152,14 @@ def _label(run: Run, keys: Sequence[str]) -> str:
     return " ".join(parts) or "all runs"
 
 
+# Runs that differ only in these share a cell (seeds of one setting).
+_REPLICATE_KEYS = {"seed", "seeds"}
+
+
 def group(runs: Sequence[Run]) -> tuple[list[str], list[str], dict]:
-    """``(methods, settings, cells)``: labels in first-seen order, ``cells[(m, s)]`` runs."""
-    keys = sorted({k for r in runs for k in r.config} - _IGNORED)
+    """``(methods, settings, cells)``: labels in first-seen order, ``cells[(m, s)]`` runs (the
+    seeds of one method and setting share a cell)."""
+    keys = sorted({k for r in runs for k in r.config} - _IGNORED - _REPLICATE_KEYS)
     # A section's key is compared among the runs that have it (its algorithm's runs).
     differing = [k for k in keys
                  if len({json.dumps(r.config[k]) for r in runs if k in r.config}) > 1]
@@ -151,20 +178,74 @@ def _fmt(x: float | None) -> str:
     return "—" if x is None else f"{x:.4f}"
 
 
-def table(runs: Sequence[Run], at: Sequence[int]) -> str:
+def _mean_sd(values: Sequence[float]) -> tuple[float, float]:
+    import statistics
+
+    return (statistics.fmean(values),
+            statistics.stdev(values) if len(values) > 1 else 0.0)
+
+
+def _cell(hit: Sequence[Run], r: int) -> str:
+    """One run: ``ema (best)``; several seeds: ``mean ± sd (best mean ± sd; n)`` over those
+    that reached round ``r``."""
+    vals = [(x.ema_at(r), x.best_to(r)) for x in hit]
+    if len(hit) <= 1:
+        return "; ".join(f"{_fmt(e)} ({_fmt(b)})" for e, b in vals) or "—"
+    reached = [(e, b) for e, b in vals if e is not None]
+    if not reached:
+        return "—"
+    (e, e_sd), (b, b_sd) = _mean_sd([e for e, _ in reached]), _mean_sd([b for _, b in reached])
+    return f"{e:.4f} ± {e_sd:.4f} ({b:.4f} ± {b_sd:.4f}; n={len(reached)})"
+
+
+def _seed(run: Run):
+    return run.config.get("seed")
+
+
+def paired(runs: Sequence[Run], baseline: str, at: Sequence[int]) -> str:
+    """Each method's paired difference from ``baseline`` (a method label), seed by seed:
+    ``mean ± sd (n)`` of ``EMA(method, seed) - EMA(baseline, seed)`` at each round of ``at``,
+    over the seeds both reached it with."""
     methods, settings, cells = group(runs)
+    if baseline not in methods:
+        raise ReportError(f"--baseline {baseline!r}: not a method of these runs; methods: "
+                          + ", ".join(methods))
     lines = []
     for r in at:
-        lines += [f"EMA test accuracy at round {r} (in brackets: the best accuracy through "
-                  f"round {r}):", "",
+        lines += [f"Paired difference from {baseline} at round {r} (EMA test accuracy, same "
+                  "seed; mean ± sd over the seeds, n):", "",
                   "| method | " + " | ".join(settings) + " |",
                   "|---" * (len(settings) + 1) + "|"]
         for m in methods:
+            if m == baseline:
+                continue
             row = []
             for s in settings:
-                hit = cells.get((m, s), [])
-                vals = [(x.ema_at(r), x.best_to(r)) for x in hit]
-                row.append("; ".join(f"{_fmt(e)} ({_fmt(b)})" for e, b in vals) or "—")
+                base = {_seed(x): x.ema_at(r) for x in cells.get((baseline, s), [])}
+                diffs = [x.ema_at(r) - base[_seed(x)] for x in cells.get((m, s), [])
+                         if x.ema_at(r) is not None and base.get(_seed(x)) is not None]
+                if diffs:
+                    mean, sd = _mean_sd(diffs)
+                    row.append(f"{mean:+.4f} ± {sd:.4f} (n={len(diffs)})")
+                else:
+                    row.append("—")
+            lines.append(f"| {m} | " + " | ".join(row) + " |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def table(runs: Sequence[Run], at: Sequence[int]) -> str:
+    methods, settings, cells = group(runs)
+    lines = []
+    several = any(len(hit) > 1 for hit in cells.values())
+    for r in at:
+        lines += [f"EMA test accuracy at round {r} (in brackets: the best accuracy through "
+                  f"round {r}" + ("; several seeds: mean ± sd over them, n seeds" if several
+                                  else "") + "):", "",
+                  "| method | " + " | ".join(settings) + " |",
+                  "|---" * (len(settings) + 1) + "|"]
+        for m in methods:
+            row = [_cell(cells.get((m, s), []), r) for s in settings]
             lines.append(f"| {m} | " + " | ".join(row) + " |")
         lines.append("")
     lines += ["Runs:", ""]
@@ -185,10 +266,23 @@ def _plots(runs: Sequence[Run], out: Path) -> list[Path]:
     fig, axes = plt.subplots(1, len(settings), figsize=(6.5 * len(settings), 4.8),
                              squeeze=False)
     for ax, s in zip(axes[0], settings, strict=True):
-        for m in methods:
-            for x in cells.get((m, s), []):
+        for i, m in enumerate(methods):
+            hit = cells.get((m, s), [])
+            label = m if len(m) <= 40 else m[:37] + "..."
+            if len(hit) > 1:  # seeds: the mean, and a band of ± one sd
+                import numpy as np
+
+                common = sorted(set.intersection(*({r["round"] for r in x.rows} for x in hit)))
+                if common:
+                    ema = np.asarray([[x.ema_at(r) for r in common] for x in hit], np.float64)
+                    mean, sd = ema.mean(0), ema.std(0, ddof=1)
+                    ax.plot(common, mean, color=f"C{i}", label=f"{label} (n={len(hit)})")
+                    ax.fill_between(common, mean - sd, mean + sd, color=f"C{i}", alpha=0.2,
+                                    linewidth=0)
+                continue
+            for x in hit:
                 ax.plot([r["round"] for r in x.rows], [r["test_accuracy_ema"] for r in x.rows],
-                        label=m if len(m) <= 40 else m[:37] + "...")
+                        color=f"C{i}", label=label)
         ax.set(title=s, xlabel="round", ylabel="EMA test accuracy")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
@@ -287,9 +381,11 @@ def client_spread(runs: Sequence[Run], r: int, window: int = 10) -> str:
             + "\n".join(rows) + "\n")
 
 
-def report(run_dirs: Sequence[str | Path], out: str | Path, at: Sequence[int] = ()) -> Path:
-    """Writes ``report.md`` and the figures for ``run_dirs`` into ``out``; returns its path."""
-    runs = [load_run(p) for p in run_dirs]
+def report(run_dirs: Sequence[str | Path], out: str | Path, at: Sequence[int] = (),
+           baseline: str | None = None) -> Path:
+    """Writes ``report.md`` and the figures for ``run_dirs`` into ``out``; returns its path.
+    ``baseline``: a method's label; adds the paired differences from it (seed by seed)."""
+    runs = [run for p in run_dirs for run in load_runs(p)]
     if not runs:
         raise ReportError("no run directories given")
     if not at:
@@ -298,7 +394,9 @@ def report(run_dirs: Sequence[str | Path], out: str | Path, at: Sequence[int] = 
     out.mkdir(parents=True, exist_ok=True)
     figures = _plots(runs, out)
     spread = "\n".join(x for x in (client_spread(runs, r) for r in at) if x)
-    text = ("# Report\n\n" + table(runs, at) + (f"\n{spread}" if spread else "")
+    diffs = paired(runs, baseline, at) if baseline else ""
+    text = ("# Report\n\n" + table(runs, at) + (f"\n{diffs}\n" if diffs else "")
+            + (f"\n{spread}" if spread else "")
             + "\nFigures: " + ", ".join(f"`{p.name}`" for p in figures) + "\n")
     (out / "report.md").write_text(text)
     return out / "report.md"

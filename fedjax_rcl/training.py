@@ -53,15 +53,16 @@ from fedjax_rcl.metrics import ema
 from fedjax_rcl.rundir import atomic_write_text, read_metrics_upto
 from fedjax_rcl.validation import ConfigError
 
-__all__ = ["Program", "ServerStateBeforeMessages", "TrainingError", "checkpoint_tree",
-           "compile_program", "continue_run", "evaluate_run", "load_run", "progress_line",
-           "resume", "state_from_checkpoint", "train"]
+__all__ = ["Program", "ServerStateBeforeMessages", "TrainingError", "check_finite",
+           "checkpoint_meta", "checkpoint_tree", "compile_program", "continue_run",
+           "evaluate_run", "load_run", "older_layouts", "progress_line", "resume",
+           "rounds_stage", "state_from_checkpoint", "train"]
 
 # Per-client metrics (``client_metrics``, ``client_eval``): one line per round.
 CLIENTS_FILE = "clients.jsonl"
 
 
-def _check_finite(metrics: dict, first_round: int, n: int) -> None:
+def check_finite(metrics: dict, first_round: int, n: int) -> None:
     losses = np.asarray(metrics["client_loss"][:n])
     bad = np.argwhere(~np.isfinite(losses))
     if len(bad):
@@ -80,7 +81,7 @@ def _join_cluster(cfg: CoreConfig) -> None:
     initialize_distributed(d.coordinator_address, d.num_processes, d.process_id)
 
 
-def _checkpoint_meta(cfg: CoreConfig, done: int, acc_ema: float | None) -> dict:
+def checkpoint_meta(cfg: CoreConfig, done: int, acc_ema: float | None) -> dict:
     return {"round": done, "test_accuracy_ema": acc_ema, "config_digest": config_digest(cfg)}
 
 
@@ -128,7 +129,7 @@ class ServerStateBeforeMessages:
     key: Any
 
 
-def _older_layouts(exp: Experiment) -> tuple:
+def older_layouts(exp: Experiment) -> tuple:
     """How a checkpoint of an older state layout is read into the current one."""
     s = exp.state
     if jax.tree.leaves(s.message):  # algorithms with a message are newer than that layout
@@ -167,7 +168,7 @@ def _numbers(record: dict) -> str:
             f"(EMA {record['test_accuracy_ema']:.4f})")
 
 
-def _rounds_stage(exp: Experiment, program: Program, ckpt: Checkpointer, acc_ema: float | None,
+def rounds_stage(exp: Experiment, program: Program, ckpt: Checkpointer, acc_ema: float | None,
                   prior_s: float) -> Stage:
     """The federated rounds as a stage of the run loop."""
     cfg = exp.cfg
@@ -180,7 +181,7 @@ def _rounds_stage(exp: Experiment, program: Program, ckpt: Checkpointer, acc_ema
 
     def advance(state, done, n):
         state, metrics = program.advance(state, n)
-        _check_finite(metrics, done, n)
+        check_finite(metrics, done, n)
         return state, (metrics, to_host(program.evaluate(state.params, state.model_state,
                                                          exp.test)))
 
@@ -199,7 +200,7 @@ def _rounds_stage(exp: Experiment, program: Program, ckpt: Checkpointer, acc_ema
         return line
 
     def checkpoint(state, done, line):
-        return exp.table.checkpoint(state), _checkpoint_meta(cfg, done,
+        return exp.table.checkpoint(state), checkpoint_meta(cfg, done,
                                                              line["test_accuracy_ema"])
 
     sizes = np.asarray([len(p) for p in exp.parts])
@@ -240,7 +241,7 @@ def _run(exp: Experiment, run_dir: Path, ckpt: Checkpointer, state: ServerState,
         # Loop time of the rounds before ``done`` (earlier processes of this run, if resumed).
         prior = read_metrics_upto(run_dir / "metrics.jsonl", done)
         prior_s = json.loads(prior[-1]).get("total_s", 0.0) if prior else 0.0
-        stage = _rounds_stage(exp, program, ckpt, acc_ema, prior_s)
+        stage = rounds_stage(exp, program, ckpt, acc_ema, prior_s)
         sink = Sink(run_dir, cfg, resumed_at=done)
         clients = (Sink(run_dir, name=CLIENTS_FILE) if stage.step_lines is not None else None)
         first, start = done, time.perf_counter()
@@ -298,6 +299,10 @@ def train(cfg: CoreConfig, *, dataset: ImageDataset | None = None, progress: boo
     if runs_with != "train":
         raise ConfigError([f"algorithm={cfg.algorithm!r}: runs with 'fedjax-rcl {runs_with}' "
                            "(train runs the client algorithms)"])
+    if cfg.seeds:
+        raise ConfigError([f"seeds={list(cfg.seeds)}: several runs train with "
+                           "fedjax_rcl.grid.train_grid (or fedjax_rcl.api.train, "
+                           "'fedjax-rcl train'), not training.train"])
     _join_cluster(cfg)
     log = log if is_primary() else _silent
     if is_primary():
@@ -313,7 +318,7 @@ def train(cfg: CoreConfig, *, dataset: ImageDataset | None = None, progress: boo
         ckpt = Checkpointer(run_dir / "checkpoints", keep=cfg.keep_checkpoints)
         # A run always has a checkpoint.
         save_checkpoint(ckpt, run_dir, 0, exp.table.checkpoint(exp.state),
-                        _checkpoint_meta(cfg, 0, None), "round 0")
+                        checkpoint_meta(cfg, 0, None), "round 0")
         return _run(exp, run_dir, ckpt, exp.state, 0, None, progress=progress, log=log,
                     callbacks=callbacks)
 
@@ -359,7 +364,7 @@ def _resume_locked(run_dir: Path, cfg: CoreConfig, *, force: bool,
     exp = build(cfg, dataset)
     ckpt = Checkpointer(run_dir / "checkpoints", keep=cfg.keep_checkpoints)
     restored = ckpt.restore_latest(exp.table.checkpoint(exp.state),
-                                   older_layouts=_older_layouts(exp))
+                                   older_layouts=older_layouts(exp))
     if restored is None:
         if read_metrics_upto(run_dir / "metrics.jsonl", 1 << 62):
             ckpt.close()
@@ -367,7 +372,7 @@ def _resume_locked(run_dir: Path, cfg: CoreConfig, *, force: bool,
                                "checkpoint to resume from"])
         # Killed before its first checkpoint was complete: nothing was lost but the start.
         log(f"{run_dir}: no complete checkpoint yet; starting the run from round 0")
-        restored = Restored(exp.table.checkpoint(exp.state), _checkpoint_meta(cfg, 0, None), 0)
+        restored = Restored(exp.table.checkpoint(exp.state), checkpoint_meta(cfg, 0, None), 0)
         save_checkpoint(ckpt, run_dir, 0, restored.state, restored.meta, "round 0")
     digest = restored.meta.get("config_digest")
     if digest not in (config_digest(cfg), legacy_config_digest(cfg)) and not force:
@@ -404,7 +409,7 @@ def load_run(run_dir: str | Path, *, dataset: ImageDataset | None = None):
     ckpt = Checkpointer(run_dir / "checkpoints", keep=cfg.keep_checkpoints)
     try:
         restored = ckpt.restore_latest(exp.table.checkpoint(exp.state),
-                                       older_layouts=_older_layouts(exp))
+                                       older_layouts=older_layouts(exp))
     finally:
         ckpt.close()
     if restored is None:

@@ -25,7 +25,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("config", ("tracking", "config")),
     ("experiment", ("experiment", "mfcl", "report", "reference")),
     ("loop", ("loop",)),
-    ("programs", ("training", "mfcl.run")),
+    ("programs", ("training", "mfcl.run", "grid")),
     ("entry points", ("api", "suite", "cli", "__main__", "")),
 ]
 

@@ -80,3 +80,49 @@ def test_best_in_brackets_counts_only_the_rounds_up_to_the_reported_one(tmp_path
     at3, at4 = text.split("EMA test accuracy at round 4")
     assert "(0.5000)" in at3 and "0.9000" not in at3
     assert "(0.9000)" in at4
+
+
+def _fake_run(path, config: str, accs):
+    path.mkdir(parents=True)
+    (path / "config.yaml").write_text(config)
+    ema, lines = None, []
+    for r, a in enumerate(accs, start=1):
+        ema = a if ema is None else 0.9 * ema + 0.1 * a
+        lines.append(json.dumps({"round": r, "test_accuracy": a, "test_accuracy_ema": ema}))
+    (path / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    return ema
+
+
+def test_seeds_share_a_cell_with_mean_sd_and_paired_differences(tmp_path, capsys):
+    """Three fedavg runs (separate directories) and a three-seed fedrcl grid: one row each,
+    mean ± sd over the seeds, and the paired per-seed difference from fedavg (NumPy
+    reference); the curves get bands."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    avg, rcl = {}, {}
+    for s in (0, 1, 2):
+        avg[s] = _fake_run(tmp_path / f"avg-{s}", f"algorithm: fedavg\nseed: {s}\n",
+                           rng.uniform(0.1, 0.5, 4))
+    grid = tmp_path / "grid"
+    grid.mkdir()
+    (grid / "config.yaml").write_text("algorithm: fedrcl\nseed: 0\nseeds: [0, 1, 2]\n")
+    for s in (0, 1, 2):
+        rcl[s] = _fake_run(grid / f"seed-{s}", f"algorithm: fedrcl\nseed: {s}\nseeds: []\n",
+                           rng.uniform(0.2, 0.6, 4))
+    out = tmp_path / "rep"
+    dirs = [str(tmp_path / f"avg-{s}") for s in (0, 1, 2)] + [str(grid)]
+    assert main(["report", *dirs, "--out", str(out), "--baseline", "fedavg"]) == 0
+    text = (out / "report.md").read_text()
+    a, r = np.array([avg[s] for s in (0, 1, 2)]), np.array([rcl[s] for s in (0, 1, 2)])
+    assert "| method | all runs |" in text  # seeds are not settings
+    assert f"| fedavg | {a.mean():.4f} ± {a.std(ddof=1):.4f} (" in text
+    assert f"| fedrcl | {r.mean():.4f} ± {r.std(ddof=1):.4f} (" in text and "n=3)" in text
+    d = r - a
+    assert f"| fedrcl | {d.mean():+.4f} ± {d.std(ddof=1):.4f} (n=3) |" in text
+    assert "Paired difference from fedavg at round 4" in text
+    assert (out / "convergence.png").stat().st_size > 10_000
+    capsys.readouterr()
+    assert main(["report", *dirs, "--out", str(out), "--baseline", "fedprox"]) == 2
+    assert "--baseline 'fedprox': not a method of these runs; methods: fedavg, fedrcl" in (
+        capsys.readouterr().err)

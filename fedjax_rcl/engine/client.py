@@ -114,6 +114,21 @@ def epoch_permutations(key: PRNGKey, size: jax.Array, max_size: int, epochs: int
     return jax.vmap(one)(jnp.arange(epochs))
 
 
+def masked_sum(xs, mask: jax.Array):
+    """``sum_t xs[t]`` over the steps ``t`` where ``mask[t]`` (leaves ``[steps, ...]``), added
+    in step order. A client's masked steps are its last ones, so they add exact zeros at the
+    end: the sum is the same however far the client is padded (several runs in one program pad
+    to the largest client of any of them), where a tree reduction's order would depend on the
+    padded length."""
+
+    def add(total, x_m):
+        x, m = x_m
+        return jax.tree.map(lambda t, v: t + jnp.where(m, v, jnp.zeros_like(v)), total, x), None
+
+    zeros = jax.tree.map(lambda v: jnp.zeros(v.shape[1:], v.dtype), xs)
+    return jax.lax.scan(add, zeros, (xs, mask))[0]
+
+
 def report_like(model: ModelFns, algorithm: ClientAlgorithm, params: Params,
                 model_state: ModelState, image_shape: tuple[int, ...], batch_size: int,
                 num_views: int = 1):
@@ -297,14 +312,12 @@ def make_local_update(model: ModelFns, algorithm: ClientAlgorithm,
             step, (global_params, global_model_state, opt_state, GradScaler.fresh()),
             jnp.arange(s.num_steps)
         )
-        weights = active.astype(jnp.float32)
-        mean_over_steps = lambda x: jnp.sum(x * weights) / jnp.sum(weights)
-        metrics = {"loss": mean_over_steps(losses)}
-        metrics.update({k: mean_over_steps(v) for k, v in terms.items()})
+        count = masked_sum(jnp.ones(s.num_steps, jnp.float32), active)
+        metrics = {"loss": masked_sum(losses, active) / count}
+        metrics.update({k: masked_sum(v, active) / count for k, v in terms.items()})
         if algorithm.report is not None:
             last_epoch = (jnp.arange(s.num_steps) // client_steps == s.local_epochs - 1) & active
-            w = last_epoch.astype(jnp.float32)
-            metrics["report"] = jax.tree.map(lambda r: jnp.tensordot(w, r, axes=(0, 0)), reports)
+            metrics["report"] = masked_sum(reports, last_epoch)
         if s.client_eval:
             metrics["acc_before"] = own_accuracy(model, s, global_params, global_model_state,
                                                  indices, size, data)

@@ -356,6 +356,9 @@ def run_mfcl(cfg: CoreConfig, *, dataset: ImageDataset | None = None,
     """Runs MFCL from scratch (``cfg.algorithm == "mfcl"``); returns the probe's record."""
     if cfg.algorithm != "mfcl":
         raise ConfigError([f"algorithm={cfg.algorithm!r}: the mfcl command runs algorithm=mfcl"])
+    if cfg.seeds:
+        raise ConfigError([f"seeds={list(cfg.seeds)}: mfcl runs one seed per command (use "
+                           "seed=)"])
 
     def prepare() -> Experiment:
         log(f"loading data: {cfg.dataset} ...")

@@ -1,0 +1,469 @@
+"""Several runs in one compiled program: ``train`` with ``seeds=[s0, s1, ...]``.
+
+Federated learning results need several seeds per setting. Run one after another as separate
+processes, each compiles the same program again and, on an accelerator, each small model
+leaves most of the device idle. Here the runs share one program: a leading *run axis* over the
+whole round.
+
+The run directory::
+
+    RUN_DIR/config.yaml, commands.txt, environment.jsonl    the grid (``seeds`` set)
+    RUN_DIR/seed-<s>/                                        one ordinary run per seed
+
+Each member is built exactly as that seed's run alone (``seed: s``: its own split, initial
+weights and client sampling) and is an ordinary run directory (``config.yaml``,
+``metrics.jsonl``, ``checkpoints/``, ``accuracy.png``; ``resume`` and ``eval`` take it as
+any run). The members' client index tables are padded to the largest client of any member, so
+that one program fits them all: a client's steps past its own data are masked, as an uneven
+client's already are, and its shuffles do not depend on the padding, so a member's results are
+those of its run alone. Their server states are stacked on the run axis and the rounds between
+two evaluations are ``lax.map``ped over it: the runs go one after another inside the program,
+each with the arithmetic it has alone (the tests compare bitwise), which is what a CPU wants.
+``runs_in_parallel=K`` instead trains groups of K runs side by side (``vmap``; 0: all), as an
+accelerator that one small run leaves idle may want; results then agree within float
+reassociation. A grid whose runs' states cannot fit on the device is refused before compiling
+(``check_fits``).
+
+``fedjax-rcl resume RUN_DIR`` continues every member from the newest round all of them have a
+checkpoint of; ``fedjax-rcl resume RUN_DIR/seed-1`` continues one member alone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fedjax_rcl import registry, rundir
+from fedjax_rcl.checkpoint import Checkpointer
+from fedjax_rcl.config import CoreConfig, config_digest, degenerate_settings, legacy_config_digest
+from fedjax_rcl.data import ImageDataset, load_dataset
+from fedjax_rcl.engine.round import make_run_rounds
+from fedjax_rcl.engine.sharding import to_host
+from fedjax_rcl.experiment import Experiment, build, make_partition
+from fedjax_rcl.loop import (
+    Callback,
+    Sink,
+    Stage,
+    TrainingError,
+    locked_run,
+    new_run,
+    resumed_records,
+    run_stage,
+    save_checkpoint,
+)
+from fedjax_rcl.rundir import read_metrics_upto
+from fedjax_rcl.training import (
+    CLIENTS_FILE,
+    Program,
+    check_finite,
+    checkpoint_meta,
+    older_layouts,
+    rounds_stage,
+    warn_stderr,
+)
+from fedjax_rcl.validation import ConfigError
+
+__all__ = ["GridProgram", "build_members", "check_fits", "compile_grid", "continue_grid",
+           "device_memory", "evaluate_grid", "member_configs",
+           "member_dir", "train_grid"]
+
+
+def member_dir(parent: Path, seed: int) -> Path:
+    """Where the member of seed ``seed`` lives."""
+    return Path(parent) / f"seed-{seed}"
+
+
+def member_configs(cfg: CoreConfig, parent: Path | None) -> list[CoreConfig]:
+    """One ordinary run config per seed of ``cfg.seeds`` (``seed: s``, no ``seeds``, its run
+    directory inside ``parent``)."""
+    return [dataclasses.replace(cfg, seed=s, seeds=[],
+                                run_dir=None if parent is None else str(member_dir(parent, s)))
+            for s in cfg.seeds]
+
+
+def build_members(cfgs: list[CoreConfig], dataset: ImageDataset | None = None
+                  ) -> list[Experiment]:
+    """Every member's experiment, built as its run alone but with its client table padded to
+    the largest client of any member (one program shape for all)."""
+    dataset = dataset or load_dataset(cfgs[0].dataset, data_dir=cfgs[0].data_dir)
+    widest = max(max(len(p) for p in make_partition(c, dataset.train_labels)) for c in cfgs)
+    return [build(c, dataset, pad_clients_to=widest) for c in cfgs]
+
+
+def device_memory() -> int | None:
+    """Bytes the device can hold: an accelerator's allocator limit, a CPU's physical memory
+    (None: unknown)."""
+    stats = getattr(jax.devices()[0], "memory_stats", lambda: None)()
+    if stats and stats.get("bytes_limit"):
+        return int(stats["bytes_limit"])
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def check_fits(exps: list[Experiment], limit: int | None = None) -> int:
+    """Refuses, before anything is compiled, a grid whose runs' state cannot fit: every run
+    keeps its server state (model, server optimizer, per-client table) and client index table
+    on the device, twice while a block's new state is written (the data set is shared). The
+    working memory of the runs in flight comes on top and is not counted. Returns the
+    estimate in bytes."""
+    from fedjax_rcl.checkpoint import state_nbytes
+
+    each = [2 * state_nbytes(e.state) + e.data.client_indices.nbytes for e in exps]
+    need = sum(each) + exps[0].data.images.nbytes
+    limit = device_memory() if limit is None else limit
+    if limit is not None and need > 0.8 * limit:
+        gib = 2.0 ** 30
+        fit = max(0, int((0.8 * limit - exps[0].data.images.nbytes) // max(each)))
+        raise ConfigError([f"seeds={list(exps[0].cfg.seeds) or [e.cfg.seed for e in exps]}: "
+                           f"{len(exps)} runs need about {need / gib:.2f} GiB of state on the "
+                           f"device ({max(each) / gib:.3f} GiB each: model, optimizer and "
+                           f"per-client table, twice) beyond 80 % of its {limit / gib:.1f} "
+                           f"GiB; at most {fit} fit: use fewer seeds"])
+    return need
+
+
+def _stack(trees):
+    return jax.tree.map(lambda *xs: jnp.stack(xs), *trees)
+
+
+def _member(tree, i: int):
+    return jax.tree.map(lambda x: x[i], tree)
+
+
+@dataclasses.dataclass(frozen=True)
+class GridProgram:
+    """The compiled grid: ``advance(states, n) -> (states, metrics [R, n, ...])`` and
+    ``evaluate(states) -> {"accuracy", "loss"} [R]`` (NumPy), and the seconds compiling took."""
+
+    advance: Callable
+    evaluate: Callable
+    compile_s: float
+
+
+def compile_grid(exps: list[Experiment], states, log: Callable[[str], None] = print
+                 ) -> GridProgram:
+    """Compiles the members' rounds between two evaluations, mapped over the run axis, and
+    their evaluation, once."""
+    first = exps[0]
+    capacity = first.cfg.eval_every
+    group = first.cfg.runs_in_parallel or len(exps)
+    batch = None if group <= 1 else min(group, len(exps))  # lax.map: vmap within groups
+    rounds = make_run_rounds(first.table.run_round(first.round_rows), capacity)
+    indices = jax.device_put(np.stack([np.asarray(e.data.client_indices) for e in exps]))
+    sizes = jax.device_put(np.stack([np.asarray(e.data.client_sizes) for e in exps]))
+
+    def advance_all(states, data, indices, sizes, n):
+        def one(member):
+            state, idx, size = member
+            return rounds(state, data.replace(client_indices=idx, client_sizes=size), n)
+
+        return jax.lax.map(one, (states, indices, sizes), batch_size=batch)
+
+    def evaluate_all(states, test):
+        return jax.lax.map(lambda s: first.evaluate(s.params, s.model_state, test), states,
+                           batch_size=batch)
+
+    log(f"compiling the round of {len(exps)} runs (once; a repeat reads JAX's cache)...")
+    t0 = time.perf_counter()
+    n0 = jax.device_put(np.int32(capacity))
+    compiled = jax.jit(advance_all, donate_argnums=0).lower(
+        states, first.data, indices, sizes, n0).compile()
+    evaluate = jax.jit(evaluate_all).lower(states, first.test).compile()
+    compile_s = time.perf_counter() - t0
+    log(f"compiled in {compile_s:.1f} s")
+
+    def advance(states, n: int):
+        states, metrics = compiled(states, first.data, indices, sizes,
+                                   jax.device_put(np.int32(n)))
+        return states, jax.tree.map(lambda x: x[:, :n], to_host(metrics))
+
+    return GridProgram(advance, lambda states: to_host(evaluate(states, first.test)),
+                       compile_s)
+
+
+class _Checkpointers:
+    """The members' checkpointers as one: a grid checkpoint is every member's, same step."""
+
+    def __init__(self, checkpointers: list[Checkpointer]):
+        self.members = checkpointers
+
+    def save(self, step: int, trees, metas) -> None:
+        for c, tree, meta in zip(self.members, trees, metas, strict=True):
+            c.save(step, tree, meta)
+
+    def wait(self) -> None:
+        for c in self.members:
+            c.wait()
+
+    def close(self) -> None:
+        for c in self.members:
+            c.close()
+
+
+class _Sinks:
+    """Every member's metrics file: a grid line carries one line per member (``"runs"``)."""
+
+    def __init__(self, sinks: list[Sink]):
+        self.members = sinks
+
+    def write(self, record: dict) -> None:
+        for sink, line in zip(self.members, record["runs"], strict=True):
+            sink.write(line)
+
+    def close(self) -> None:
+        for sink in self.members:
+            sink.close()
+
+
+class _StepSinks(_Sinks):
+    """Every member's ``clients.jsonl``: an item is one list of lines per member."""
+
+    def write(self, per_member: list) -> None:
+        for sink, lines in zip(self.members, per_member, strict=True):
+            for line in lines:
+                sink.write(line)
+
+
+def _spread(values: list[float]) -> tuple[float, float]:
+    mean = float(np.mean(values))
+    return mean, (statistics.stdev(values) if len(values) > 1 else 0.0)
+
+
+def _grid_stage(exps: list[Experiment], program: GridProgram, ckpts: list[Checkpointer],
+                emas: list, priors: list[float]) -> Stage:
+    """The members' rounds as one stage of the run loop: each member's metrics line, checkpoint
+    and per-client lines are those of its own stage (``training.rounds_stage``)."""
+    cfg = exps[0].cfg
+    members = [rounds_stage(e, Program(advance=None, evaluate=None, compile_s=0.0), c, a, p)
+               for e, c, a, p in zip(exps, ckpts, emas, priors, strict=True)]
+    analysis = bool(cfg.analysis_every)
+
+    def advance(states, done, n):
+        states, metrics = program.advance(states, n)
+        evals = program.evaluate(states)
+        outs = []
+        for i, e in enumerate(exps):
+            m = _member(metrics, i)
+            try:
+                check_finite(m, done, n)
+            except TrainingError as err:
+                raise TrainingError(f"seed {e.cfg.seed}: {err}") from None
+            outs.append((m, _member(evals, i)))
+        return states, outs
+
+    def record(states, outs, done, n, block_s, elapsed_s):
+        lines = [m.record(_member(states, i) if analysis else None, out, done, n, block_s,
+                          elapsed_s) for i, (m, out) in enumerate(zip(members, outs, strict=True))]
+        acc, acc_sd = _spread([x["test_accuracy"] for x in lines])
+        ema, ema_sd = _spread([x["test_accuracy_ema"] for x in lines])
+        return {"round": done, "runs": lines, "test_accuracy": acc, "test_accuracy_sd": acc_sd,
+                "test_accuracy_ema": ema, "test_accuracy_ema_sd": ema_sd,
+                "train_loss": float(np.mean([x["train_loss"] for x in lines]))}
+
+    def checkpoint(states, done, line):
+        pairs = [m.checkpoint(_member(states, i), done, run)
+                 for i, (m, run) in enumerate(zip(members, line["runs"], strict=True))]
+        return [t for t, _ in pairs], [meta for _, meta in pairs]
+
+    def step_lines(outs, done, n):
+        return [[m.step_lines(out, done, n) for m, out in zip(members, outs, strict=True)]]
+
+    def describe(r):
+        return (f"test acc {r['test_accuracy']:.4f} ± {r['test_accuracy_sd']:.4f} over "
+                f"{len(exps)} seeds (EMA {r['test_accuracy_ema']:.4f} ± "
+                f"{r['test_accuracy_ema_sd']:.4f})")
+
+    return Stage(label="round", unit="rounds", total=cfg.rounds, every=cfg.eval_every,
+                 checkpoint_every=cfg.checkpoint_every, advance=advance, record=record,
+                 checkpoint=checkpoint, checkpointer=_Checkpointers(ckpts), describe=describe,
+                 postfix=lambda r: {"acc": f"{r['test_accuracy']:.3f}",
+                                    "ema": f"{r['test_accuracy_ema']:.3f}"},
+                 step_lines=step_lines if members[0].step_lines is not None else None)
+
+
+def _run_grid(parent: Path, exps: list[Experiment], ckpts: list[Checkpointer], states,
+              done: int, emas: list, *, progress: bool, log, callbacks=()) -> dict:
+    from fedjax_rcl.plots import plot_metrics
+
+    dirs = [Path(e.cfg.run_dir) for e in exps]
+    grid_ckpt = _Checkpointers(ckpts)
+    try:
+        program = compile_grid(exps, states, log)
+        priors = []
+        for d in dirs:
+            prior = read_metrics_upto(d / "metrics.jsonl", done)
+            priors.append(json.loads(prior[-1]).get("total_s", 0.0) if prior else 0.0)
+        stage = _grid_stage(exps, program, ckpts, emas, priors)
+        sink = _Sinks([Sink(d, e.cfg, resumed_at=done) for d, e in zip(dirs, exps, strict=True)])
+        clients = (_StepSinks([Sink(d, name=CLIENTS_FILE) for d in dirs])
+                   if stage.step_lines is not None else None)
+        first, start = done, time.perf_counter()
+        try:
+            states, record, stopped = run_stage(stage, states, done, run_dir=parent, sink=sink,
+                                                progress=progress, log=log,
+                                                callbacks=callbacks, step_sink=clients)
+        finally:
+            sink.close()
+            if clients is not None:
+                clients.close()
+        elapsed = time.perf_counter() - start
+    finally:
+        grid_ckpt.close()
+    for d, e in zip(dirs, exps, strict=True):
+        plot_metrics(d / "metrics.jsonl", d / "accuracy.png",
+                     title=f"{e.cfg.algorithm} · {e.cfg.model} · {e.cfg.dataset} · "
+                           f"seed {e.cfg.seed}",
+                     ema_decay=e.cfg.ema_decay, eval_every=e.cfg.eval_every)
+    if record:
+        log(f"done: {len(exps)} runs, rounds {first}..{record['round']} in {elapsed:.1f} s "
+            f"(compile {program.compile_s:.1f} s); test accuracy "
+            f"{record['test_accuracy']:.4f} ± {record['test_accuracy_sd']:.4f} (EMA "
+            f"{record['test_accuracy_ema']:.4f} ± {record['test_accuracy_ema_sd']:.4f}); "
+            f"runs in {parent}/seed-*")
+    return {**record, "compile_s": program.compile_s, "run_dir": str(parent),
+            "stopped_early": stopped}
+
+
+def _check_command(cfg: CoreConfig) -> None:
+    runs_with = registry.algorithm(cfg.algorithm).command
+    if runs_with != "train":
+        raise ConfigError([f"seeds={list(cfg.seeds)}: several runs in one program are "
+                           f"'fedjax-rcl train' runs; algorithm={cfg.algorithm!r} runs with "
+                           f"'fedjax-rcl {runs_with}'"])
+
+
+def train_grid(cfg: CoreConfig, *, dataset: ImageDataset | None = None, progress: bool = True,
+               log: Callable[[str], None] = print, command: str | None = None,
+               warn: Callable[[str], None] = warn_stderr,
+               callbacks: tuple[Callback, ...] = ()) -> dict:
+    """Trains one run per seed of ``cfg.seeds`` in one compiled program (module docstring).
+
+    Returns the last grid line: the mean and sd over the runs of the test accuracy and its
+    EMA, each run's own line (``"runs"``) and ``run_dir`` (the grid's directory). Callbacks
+    see the grid lines.
+    """
+    _check_command(cfg)
+    for line in degenerate_settings(cfg):
+        warn(line)
+
+    def prepare() -> list[Experiment]:
+        log(f"loading data: {cfg.dataset} ...")
+        exps = build_members(member_configs(cfg, None), dataset)
+        check_fits(exps)
+        return exps
+
+    with new_run(cfg, prepare, command=command) as (parent, exps):
+        cfgs = member_configs(cfg, parent)
+        exps = [dataclasses.replace(e, cfg=c) for e, c in zip(exps, cfgs, strict=True)]
+        with contextlib.ExitStack() as members:
+            for c in cfgs:
+                members.enter_context(new_run(c, lambda: None, command=command))
+            log(f"run_dir: {parent}  |  {len(cfgs)} runs (seeds {', '.join(map(str, cfg.seeds))})"
+                f" of {cfg.algorithm} on {cfg.model}, {cfg.dataset}  |  backend "
+                f"{jax.default_backend()}")
+            ckpts = [Checkpointer(Path(c.run_dir) / "checkpoints", keep=c.keep_checkpoints)
+                     for c in cfgs]
+            grid_ckpt = _Checkpointers(ckpts)
+            save_checkpoint(grid_ckpt, parent, 0, [e.table.checkpoint(e.state) for e in exps],
+                            [checkpoint_meta(c, 0, None) for c in cfgs], "round 0")
+            return _run_grid(parent, exps, ckpts, _stack([e.state for e in exps]), 0,
+                             [None] * len(exps), progress=progress, log=log,
+                             callbacks=callbacks)
+
+
+def continue_grid(run_dir: Path, cfg: CoreConfig, *, force: bool = False,
+                  dataset: ImageDataset | None = None, progress: bool = True,
+                  log: Callable[[str], None] = print, command: str | None = None,
+                  callbacks: tuple[Callback, ...] = ()) -> dict:
+    """Continues every member of a grid from the newest round all of them have a complete
+    checkpoint of (``cfg``: the grid's config, already read and checked)."""
+    _check_command(cfg)
+    run_dir = Path(run_dir)
+    cfgs = member_configs(cfg, run_dir)
+    missing = [c.run_dir for c in cfgs if not (Path(c.run_dir) / "config.yaml").is_file()]
+    if missing:
+        raise ConfigError([f"run_dir={str(run_dir)!r}: its member(s) {', '.join(missing)} are "
+                           "missing; a grid resumes only whole"])
+    with locked_run(run_dir), contextlib.ExitStack() as locks:
+        for c in cfgs:
+            locks.enter_context(rundir.locked(Path(c.run_dir)))
+        log(f"loading data: {cfg.dataset} ...")
+        exps = build_members(cfgs, dataset)
+        check_fits(exps)
+        ckpts = [Checkpointer(Path(c.run_dir) / "checkpoints", keep=c.keep_checkpoints)
+                 for c in cfgs]
+        try:
+            restored = _restore_common(exps, ckpts, force)
+        except BaseException:
+            for c in ckpts:
+                c.close()
+            raise
+        done = restored[0].step
+        for c, e in zip(ckpts, exps, strict=True):
+            c.set_aside([s for s in c.steps() if s > done])
+            resumed_records(Path(e.cfg.run_dir), e.cfg,
+                            read_metrics_upto(Path(e.cfg.run_dir) / "metrics.jsonl", done),
+                            command=command, first=done)
+            clients = Path(e.cfg.run_dir) / CLIENTS_FILE
+            if clients.exists():
+                rundir.atomic_write_text(clients, "".join(
+                    f"{x}\n" for x in read_metrics_upto(clients, done)))
+        resumed_records(run_dir, cfg, [], command=command, first=done)
+        log(f"resuming {len(exps)} runs from the checkpoints of round {done} (of {cfg.rounds})")
+        states = _stack([e.table.restore(r.state) for e, r in zip(exps, restored, strict=True)])
+        return _run_grid(run_dir, exps, ckpts, states, done,
+                         [r.meta.get("test_accuracy_ema") for r in restored],
+                         progress=progress, log=log, callbacks=callbacks)
+
+
+def _restore_common(exps: list[Experiment], ckpts: list[Checkpointer], force: bool) -> list:
+    """Every member's checkpoint of the newest round all of them have."""
+    latest = None
+    for _ in range(2):  # the newest of each, then all at the oldest of those
+        restored = [c.restore_latest(e.table.checkpoint(e.state), older_layouts=older_layouts(e),
+                                     at_most=latest) for e, c in zip(exps, ckpts, strict=True)]
+        if any(r is None for r in restored):
+            bad = [e.cfg.run_dir for e, r in zip(exps, restored, strict=True) if r is None]
+            raise ConfigError([f"{', '.join(bad)}: no complete checkpoint"
+                               + (f" of round {latest} or earlier" if latest else "")])
+        steps = {r.step for r in restored}
+        if len(steps) == 1:
+            break
+        latest = min(steps)
+    else:
+        raise ConfigError([f"the members have no checkpoint of one common round (newest: "
+                           f"{sorted(steps)})"])
+    for e, r in zip(exps, restored, strict=True):
+        digest = r.meta.get("config_digest")
+        if digest not in (config_digest(e.cfg), legacy_config_digest(e.cfg)) and not force:
+            raise ConfigError([f"resume: the checkpoint in {e.cfg.run_dir} was written with a "
+                               "different config than the grid's; pass --force to continue "
+                               "anyway"])
+    return restored
+
+
+def evaluate_grid(run_dir: Path, cfg: CoreConfig, *,
+                  dataset: ImageDataset | None = None) -> dict:
+    """Every member's newest complete checkpoint on the full test set, and the mean and sd of
+    the test accuracy and loss over them."""
+    from fedjax_rcl.training import evaluate_run
+
+    if dataset is None:
+        dataset = load_dataset(cfg.dataset, data_dir=cfg.data_dir)
+    runs = [evaluate_run(c.run_dir, dataset=dataset) for c in member_configs(cfg, run_dir)]
+    acc, acc_sd = _spread([r["test_accuracy"] for r in runs])
+    loss, loss_sd = _spread([r["test_loss"] for r in runs])
+    return {"run_dir": str(run_dir), "runs": runs, "test_accuracy": acc,
+            "test_accuracy_sd": acc_sd, "test_loss": loss, "test_loss_sd": loss_sd}
