@@ -15,7 +15,7 @@ from fedjax_rcl.training import load_run
 
 # Uneven Dirichlet clients (different sizes per seed, so members are padded to one shape).
 GRID = ["algorithm=fedavg", "num_clients=5", "participation=0.6", "local_epochs=1",
-        "partition=dirichlet", "alpha=0.5", "balanced=false", "batch_size=16", "eval_every=1"]
+        "partition=dirichlet", "alpha=0.5", "balanced=false", "batch_size=32", "eval_every=1"]
 
 
 def _rows(run_dir):
@@ -34,11 +34,12 @@ def _sizes(run_dir):
 
 
 def test_each_member_equals_its_seed_run_alone_bitwise(tmp_path):
-    grid = fedjax_rcl.train(None, *GRID, "rounds=3", "seeds=[0,1,2]",
+    grid = fedjax_rcl.train(None, *GRID, "rounds=3", "seeds=[0,1]",
                             f"run_dir={tmp_path / 'grid'}")
-    assert [m.run_dir.name for m in grid.members] == ["seed-0", "seed-1", "seed-2"]
+    assert [m.run_dir.name for m in grid.members] == ["seed-0", "seed-1"]
+    # Largest clients 353 and 333 samples: 12 and 11 steps of 32, so seed 1 is padded.
     assert len({max(_sizes(m.run_dir)) for m in grid.members}) > 1, "members must be padded"
-    for member, seed in zip(grid.members, (0, 1, 2), strict=True):
+    for member, seed in zip(grid.members, (0, 1), strict=True):
         assert member.config.seed == seed and member.config.seeds == []
         alone = fedjax_rcl.train(None, *GRID, "rounds=3", f"seed={seed}",
                                  f"run_dir={tmp_path / f'alone-{seed}'}")
