@@ -124,14 +124,17 @@ def check_fits(exps: list[Experiment], limit: int | None = None) -> int:
     need = sum(each) + exps[0].data.images.nbytes
     limit = device_memory() if limit is None else limit
     if limit is not None and need > 0.8 * limit:
-        gib = 2.0 ** 30
         fit = max(0, int((0.8 * limit - exps[0].data.images.nbytes) // max(each)))
         raise ConfigError([f"seeds={list(exps[0].cfg.seeds) or [e.cfg.seed for e in exps]}: "
-                           f"{len(exps)} runs need about {need / gib:.2f} GiB of state on the "
-                           f"device ({max(each) / gib:.3f} GiB each: model, optimizer and "
-                           f"per-client table, twice) beyond 80 % of its {limit / gib:.1f} "
-                           f"GiB; at most {fit} fit: use fewer seeds"])
+                           f"{len(exps)} runs need about {_size(need)} on the device "
+                           f"({_size(max(each))} each: model, optimizer and per-client table, "
+                           f"twice; the data set once) beyond 80 % of its {_size(limit)}; at "
+                           f"most {fit} fit: use fewer seeds"])
     return need
+
+
+def _size(nbytes: float) -> str:
+    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
 
 
 def _stack(trees):
