@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import os
 import statistics
 import time
@@ -61,13 +60,15 @@ from fedjax_rcl.loop import (
     run_stage,
     save_checkpoint,
 )
-from fedjax_rcl.rundir import read_metrics_upto
 from fedjax_rcl.training import (
     CLIENTS_FILE,
     Program,
     check_finite,
     checkpoint_meta,
+    cut_back,
     older_layouts,
+    plot_run,
+    prior_seconds,
     rounds_stage,
     warn_stderr,
 )
@@ -298,17 +299,13 @@ def _grid_stage(exps: list[Experiment], program: GridProgram, ckpts: list[Checkp
 
 def _run_grid(parent: Path, exps: list[Experiment], ckpts: list[Checkpointer], states,
               done: int, emas: list, *, progress: bool, log, callbacks=()) -> dict:
-    from fedjax_rcl.plots import plot_metrics
 
     dirs = [Path(e.cfg.run_dir) for e in exps]
     grid_ckpt = _Checkpointers(ckpts)
     try:
         program = compile_grid(exps, states, log)
-        priors = []
-        for d in dirs:
-            prior = read_metrics_upto(d / "metrics.jsonl", done)
-            priors.append(json.loads(prior[-1]).get("total_s", 0.0) if prior else 0.0)
-        stage = _grid_stage(exps, program, ckpts, emas, priors)
+        stage = _grid_stage(exps, program, ckpts, emas,
+                            [prior_seconds(d, done) for d in dirs])
         sink = _Sinks([Sink(d, e.cfg, resumed_at=done) for d, e in zip(dirs, exps, strict=True)])
         clients = (_StepSinks([Sink(d, name=CLIENTS_FILE) for d in dirs])
                    if stage.step_lines is not None else None)
@@ -325,10 +322,7 @@ def _run_grid(parent: Path, exps: list[Experiment], ckpts: list[Checkpointer], s
     finally:
         grid_ckpt.close()
     for d, e in zip(dirs, exps, strict=True):
-        plot_metrics(d / "metrics.jsonl", d / "accuracy.png",
-                     title=f"{e.cfg.algorithm} · {e.cfg.model} · {e.cfg.dataset} · "
-                           f"seed {e.cfg.seed}",
-                     ema_decay=e.cfg.ema_decay, eval_every=e.cfg.eval_every)
+        plot_run(d, e.cfg, f" · seed {e.cfg.seed}")
     if record:
         log(f"done: {len(exps)} runs, rounds {first}..{record['round']} in {elapsed:.1f} s "
             f"(compile {program.compile_s:.1f} s); test accuracy "
@@ -416,13 +410,7 @@ def continue_grid(run_dir: Path, cfg: CoreConfig, *, force: bool = False,
         done = restored[0].step
         for c, e in zip(ckpts, exps, strict=True):
             c.set_aside([s for s in c.steps() if s > done])
-            resumed_records(Path(e.cfg.run_dir), e.cfg,
-                            read_metrics_upto(Path(e.cfg.run_dir) / "metrics.jsonl", done),
-                            command=command, first=done)
-            clients = Path(e.cfg.run_dir) / CLIENTS_FILE
-            if clients.exists():
-                rundir.atomic_write_text(clients, "".join(
-                    f"{x}\n" for x in read_metrics_upto(clients, done)))
+            cut_back(Path(e.cfg.run_dir), e.cfg, done, command=command)
         resumed_records(run_dir, cfg, [], command=command, first=done)
         log(f"resuming {len(exps)} runs from the checkpoints of round {done} (of {cfg.rounds})")
         states = _stack([e.table.restore(r.state) for e, r in zip(exps, restored, strict=True)])

@@ -54,9 +54,9 @@ from fedjax_rcl.rundir import atomic_write_text, read_metrics_upto
 from fedjax_rcl.validation import ConfigError
 
 __all__ = ["Program", "ServerStateBeforeMessages", "TrainingError", "check_finite",
-           "checkpoint_meta", "checkpoint_tree", "compile_program", "continue_run",
-           "evaluate_run", "load_run", "older_layouts", "progress_line", "resume",
-           "rounds_stage", "state_from_checkpoint", "train"]
+           "checkpoint_meta", "checkpoint_tree", "compile_program", "continue_run", "cut_back",
+           "evaluate_run", "load_run", "older_layouts", "plot_run", "prior_seconds",
+           "progress_line", "resume", "rounds_stage", "state_from_checkpoint", "train"]
 
 # Per-client metrics (``client_metrics``, ``client_eval``): one line per round.
 CLIENTS_FILE = "clients.jsonl"
@@ -230,18 +230,39 @@ def rounds_stage(exp: Experiment, program: Program, ckpt: Checkpointer, acc_ema:
                  step_lines=client_lines if cfg.client_metrics or cfg.client_eval else None)
 
 
+def prior_seconds(run_dir: Path, done: int) -> float:
+    """Loop time of a run's rounds before ``done`` (its earlier processes, if resumed)."""
+    prior = read_metrics_upto(run_dir / "metrics.jsonl", done)
+    return json.loads(prior[-1]).get("total_s", 0.0) if prior else 0.0
+
+
+def plot_run(run_dir: Path, cfg: CoreConfig, title_suffix: str = "") -> None:
+    """The run's ``accuracy.png`` from its ``metrics.jsonl``."""
+    from fedjax_rcl.plots import plot_metrics
+
+    plot_metrics(run_dir / "metrics.jsonl", run_dir / "accuracy.png",
+                 title=f"{cfg.algorithm} · {cfg.model} · {cfg.dataset}{title_suffix}",
+                 ema_decay=cfg.ema_decay, eval_every=cfg.eval_every)
+
+
+def cut_back(run_dir: Path, cfg: CoreConfig, done: int, *, command: str | None) -> None:
+    """A resumed run's records cut back to round ``done``: ``metrics.jsonl`` and
+    ``clients.jsonl`` (its ``config.yaml`` rewritten, this process recorded)."""
+    resumed_records(run_dir, cfg, read_metrics_upto(run_dir / "metrics.jsonl", done),
+                    command=command, first=done, primary=is_primary())
+    if is_primary() and (run_dir / CLIENTS_FILE).exists():  # cut back like metrics.jsonl
+        with interrupts.critical():
+            atomic_write_text(run_dir / CLIENTS_FILE, "".join(
+                f"{x}\n" for x in read_metrics_upto(run_dir / CLIENTS_FILE, done)))
+
+
 def _run(exp: Experiment, run_dir: Path, ckpt: Checkpointer, state: ServerState, done: int,
          acc_ema: float | None, *, progress: bool, log, callbacks=()) -> dict:
     """From round ``done`` to ``cfg.rounds`` through the run loop, then the plot."""
-    from fedjax_rcl.plots import plot_metrics
-
     cfg = exp.cfg
     try:
         program = compile_program(exp, log)
-        # Loop time of the rounds before ``done`` (earlier processes of this run, if resumed).
-        prior = read_metrics_upto(run_dir / "metrics.jsonl", done)
-        prior_s = json.loads(prior[-1]).get("total_s", 0.0) if prior else 0.0
-        stage = rounds_stage(exp, program, ckpt, acc_ema, prior_s)
+        stage = rounds_stage(exp, program, ckpt, acc_ema, prior_seconds(run_dir, done))
         sink = Sink(run_dir, cfg, resumed_at=done)
         clients = (Sink(run_dir, name=CLIENTS_FILE) if stage.step_lines is not None else None)
         first, start = done, time.perf_counter()
@@ -257,9 +278,7 @@ def _run(exp: Experiment, run_dir: Path, ckpt: Checkpointer, state: ServerState,
     finally:
         ckpt.close()  # waits for pending saves: a stopped run keeps its last good checkpoint
     if is_primary():
-        plot_metrics(run_dir / "metrics.jsonl", run_dir / "accuracy.png",
-                     title=f"{cfg.algorithm} · {cfg.model} · {cfg.dataset}",
-                     ema_decay=cfg.ema_decay, eval_every=cfg.eval_every)
+        plot_run(run_dir, cfg)
     if record:
         last = record["round"]
         rate = (last - first) / elapsed
@@ -381,12 +400,7 @@ def _resume_locked(run_dir: Path, cfg: CoreConfig, *, force: bool,
                            "config than config.yaml now holds; pass --force to continue anyway"])
     done = restored.step
     ckpt.set_aside([s for s in ckpt.steps() if s > done])  # the damaged ones we skipped
-    resumed_records(run_dir, cfg, read_metrics_upto(run_dir / "metrics.jsonl", done),
-                    command=command, first=done, primary=is_primary())
-    if is_primary() and (run_dir / CLIENTS_FILE).exists():  # cut back like metrics.jsonl
-        with interrupts.critical():
-            atomic_write_text(run_dir / CLIENTS_FILE, "".join(
-                f"{x}\n" for x in read_metrics_upto(run_dir / CLIENTS_FILE, done)))
+    cut_back(run_dir, cfg, done, command=command)
     interrupts.resume_status(run_dir, done)
     log(_describe(exp, run_dir))
     log(f"resuming from the checkpoint of round {done} (of {cfg.rounds})")
