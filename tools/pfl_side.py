@@ -22,7 +22,16 @@ central step. pfl would also evaluate every trained client in iterations that ar
 ``evaluation_frequency`` (iteration 0 always is): the worker sets that frequency out of reach
 and starts pfl's counter at 1 through its checkpoint-restore API, since the workload asks for
 central evaluation only.
+
+Several processes (pfl's guide to fast simulations: on one GPU, 1 to 5 processes sharing it
+train the cohort's users between them): ``tools/bench_pfl.py --pfl-workers N`` starts N of
+these workers with pfl's own ``PFL_WORKER_ADDRESSES`` / ``PFL_WORKER_RANK`` and sends each
+the same commands; pfl then splits every cohort across them and all-reduces the model updates
+(``torch.distributed``: NCCL where CUDA is available, else gloo). ``PFL_BENCH_DIST_BACKEND=gloo``
+makes the workers use gloo on a GPU too, for a GPU where NCCL refuses several processes on
+one device; that is this benchmark's change to pfl, named in its results.
 """
+# ruff: noqa: E402 - pfl's imports follow the backend patch, which must precede them
 import json
 import os
 import sys
@@ -33,6 +42,24 @@ os.environ.setdefault('PFL_PYTORCH_DEVICE', 'cpu')
 
 import numpy as np
 import torch
+import torch.distributed
+
+
+def _force_backend(backend: str) -> None:
+    """Makes pfl's ``init_process_group`` use ``backend`` (pfl picks NCCL whenever CUDA is
+    available and offers no setting); before pfl is imported, which creates its context."""
+    init = torch.distributed.init_process_group
+
+    def init_process_group(*args, **kwargs):
+        kwargs.pop("backend", None)
+        return init(*args[1:], backend=backend, **kwargs)
+
+    torch.distributed.init_process_group = init_process_group
+
+
+if os.environ.get("PFL_BENCH_DIST_BACKEND"):
+    _force_backend(os.environ["PFL_BENCH_DIST_BACKEND"])
+
 import torch.nn as nn
 from pfl.aggregate.simulate import SimulatedBackend
 from pfl.aggregate.weighting import WeightByUser
@@ -43,6 +70,7 @@ from pfl.data.dataset import Dataset
 from pfl.data.federated_dataset import FederatedDataset
 from pfl.data.sampling import get_user_sampler
 from pfl.hyperparam import NNEvalHyperParams, NNTrainHyperParams
+from pfl.internal.ops.common_ops import all_reduce_metrics
 from pfl.internal.ops.pytorch_ops import to_tensor
 from pfl.metrics import Metrics, Weighted
 from pfl.model.pytorch import PyTorchModel
@@ -247,9 +275,13 @@ def make_pfl_runner(eval_every: int | None = None):
         assert len(secs) == num_rounds, (len(secs), num_rounds)
         return secs
 
+    central_part = central_data.get_worker_partition()
+
     def central_eval():
+        # As pfl's CentralEvaluationCallback by default: each worker evaluates its share of
+        # the central data, then the metrics are all-reduced (one worker: all of it).
         t0 = time.perf_counter()
-        m = model.evaluate(central_data, eval_params=eval_params)
+        m = all_reduce_metrics(model.evaluate(central_part, eval_params=eval_params))
         dt = time.perf_counter() - t0
         return dt, m.to_simple_dict()
 
@@ -265,8 +297,13 @@ def main() -> None:
     import pfl
 
     run = make_pfl_runner()
+    dist = torch.distributed.is_initialized()
     print(json.dumps({"pfl": pfl.__version__, "torch": torch.__version__,
-                      "threads": torch.get_num_threads(), "parameters": run.num_params}),
+                      "threads": torch.get_num_threads(), "parameters": run.num_params,
+                      "rank": torch.distributed.get_rank() if dist else 0,
+                      "world_size": torch.distributed.get_world_size() if dist else 1,
+                      "backend": torch.distributed.get_backend() if dist else None,
+                      "device": str(next(run.model._model.parameters()).device)}),
           flush=True)
     for line in sys.stdin:
         command = line.split()
