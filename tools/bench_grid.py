@@ -10,7 +10,9 @@ seed=s`` for each seed, one after another. Wall time is the whole command (start
 compile, rounds, checkpoints); peak memory is each process's maximum resident set. JAX's
 persistent compilation cache is off (``FEDJAX_RCL_JAX_CACHE=0``), so every process compiles, as
 on a fresh machine; with it on, the second and third separate processes would read the first's
-program. The order of the two ways alternates over ``--passes``.
+program. The order of the ways alternates over ``--passes``. ``--runs-in-parallel 1 0`` times
+the one program both ways: runs one after another inside it (1, the CPU's choice) and all side
+by side (0, ``vmap``; what an accelerator that one small run leaves idle may want).
 """
 
 from __future__ import annotations
@@ -58,19 +60,39 @@ def main(argv=None) -> int:
     ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     ap.add_argument("--rounds", type=int, default=100)
     ap.add_argument("--passes", type=int, default=1)
-    ap.add_argument("--json", type=Path, help="also write the results here")
+    ap.add_argument("--json", type=Path,
+                    help="also write the results here (rewritten after every timing)")
+    ap.add_argument("--runs-in-parallel", type=int, nargs="+", default=[1],
+                    help="the one program's runs_in_parallel, one way each (1: one after "
+                         "another; 0: all side by side)")
     args = ap.parse_args(argv)
     env = {**os.environ, "FEDJAX_RCL_JAX_CACHE": "0"}
     base = ["train", "--no-progress", *([args.config] if args.config else []),
             *args.overrides, f"rounds={args.rounds}"]
     seeds = "[" + ",".join(map(str, args.seeds)) + "]"
-    rows = []
+    ways = [("grid" if k == 1 else f"grid runs_in_parallel={k}", k)
+            for k in args.runs_in_parallel] + [("separate", None)]
+    rows, med = [], {}
+
+    def summarise() -> None:
+        for way, _ in ways:
+            walls = [r["wall_s"] for r in rows if r["way"] == way]
+            if walls:
+                med[way] = {"wall_s": statistics.median(walls),
+                            "peak_rss_gb": max(r["peak_rss_gb"] for r in rows
+                                               if r["way"] == way)}
+        if args.json:  # after every timing, so a run cut short keeps what it measured
+            args.json.write_text(json.dumps(
+                {"machine": machine(), "config": args.config, "overrides": args.overrides,
+                 "seeds": args.seeds, "rounds": args.rounds, "rows": rows, "medians": med},
+                indent=1))
+
     with tempfile.TemporaryDirectory() as tmp:
         for p in range(args.passes):
-            order = ("grid", "separate") if p % 2 == 0 else ("separate", "grid")
-            for way in order:
-                if way == "grid":
-                    wall, rss = _run([*base, f"seeds={seeds}", f"run_dir={tmp}/g{p}"], env)
+            for way, k in ways if p % 2 == 0 else ways[::-1]:
+                if k is not None:
+                    wall, rss = _run([*base, f"seeds={seeds}", f"runs_in_parallel={k}",
+                                      f"run_dir={tmp}/g{k}-{p}"], env)
                 else:
                     wall, rss = 0.0, 0.0
                     for s in args.seeds:
@@ -78,22 +100,15 @@ def main(argv=None) -> int:
                         wall, rss = wall + w, max(rss, r)
                 rows.append({"pass": p, "way": way, "wall_s": wall, "peak_rss_gb": rss})
                 print(f"pass {p}: {way:8s} {wall:7.1f} s, peak RSS {rss:.2f} GB", flush=True)
-    med = {}
-    for way in ("grid", "separate"):
-        walls = [r["wall_s"] for r in rows if r["way"] == way]
-        med[way] = {"wall_s": statistics.median(walls),
-                    "peak_rss_gb": max(r["peak_rss_gb"] for r in rows if r["way"] == way)}
-    ratio = med["separate"]["wall_s"] / med["grid"]["wall_s"]
-    print(f"{len(args.seeds)} seeds x {args.rounds} rounds ({args.config or 'digits job'} "
-          f"{' '.join(args.overrides)}): one program {med['grid']['wall_s']:.1f} s, "
-          f"{med['grid']['peak_rss_gb']:.2f} GB; separate processes "
-          f"{med['separate']['wall_s']:.1f} s, {med['separate']['peak_rss_gb']:.2f} GB each; "
-          f"separate / one program: {ratio:.2f}x  [{machine()}]")
-    if args.json:
-        args.json.write_text(json.dumps({"machine": machine(), "config": args.config,
-                                         "overrides": args.overrides, "seeds": args.seeds,
-                                         "rounds": args.rounds, "rows": rows, "medians": med,
-                                         "ratio": ratio}, indent=1))
+                summarise()
+    sep = med["separate"]
+    for way, _ in ways[:-1]:
+        m = med[way]
+        print(f"{len(args.seeds)} seeds x {args.rounds} rounds ({args.config or 'digits job'} "
+              f"{' '.join(args.overrides)}): one program ({way}) {m['wall_s']:.1f} s, "
+              f"{m['peak_rss_gb']:.2f} GB; separate processes {sep['wall_s']:.1f} s, "
+              f"{sep['peak_rss_gb']:.2f} GB each; separate / one program: "
+              f"{sep['wall_s'] / m['wall_s']:.2f}x  [{machine()}]")
     return 0
 
 

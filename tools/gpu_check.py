@@ -16,14 +16,18 @@ configurations and the next phase begins):
    (``tools/fit_layout.py``), to be copied into ``fedjax_rcl/engine/layout.py``.
 3. ``precision.json``: the FedRCL ResNet-18 round of 5 clients in fp32, bf16 and fp16
    (``precision=``), one client after another.
-4. ``pfl.json``: pfl-research's CIFAR-10 workload, ours against pfl 0.6.0's own simulation
+4. ``grid.json``: three seeds of the digits job (MOON's small CNN side: ``model=cnn``) as one
+   compiled program, runs one after another inside it and all side by side (``vmap``), against
+   three separate processes (``tools/bench_grid.py``): whether a small model's runs fill the
+   GPU better together.
+5. ``pfl.json``: pfl-research's CIFAR-10 workload, ours against pfl 0.6.0's own simulation
    with PyTorch on the same GPU (``tools/bench_pfl.py``): in its default single process and
    as its guide to fast simulations recommends for one GPU, 2, 3 and 4 processes sharing it
    (pfl's ``PFL_WORKER_ADDRESSES``; NCCL, and gloo where NCCL refuses processes that share a
    device), so the ratio is taken against pfl's fastest count.
-5. ``gpu_check.md``: the tables of all phases, and ``gpu_check.log``: everything printed.
+6. ``gpu_check.md``: the tables of all phases, and ``gpu_check.log``: everything printed.
 
-Six files in ``$OUT``, within the device tool's eight. Packages the device image lacks travel
+Seven files in ``$OUT``, within the device tool's eight. Packages the device image lacks travel
 as wheels in ``.whl`` (1.1 MB; keep the folder out of git); the script installs them into
 ``/tmp/site`` first. Here, once::
 
@@ -140,6 +144,7 @@ def main() -> None:
         precision = [*bench, "--models", "resnet10:8", "--algorithms", "fedrcl", "--clients",
                      "2", "--modes", "one-at-a-time", "--precisions", "fp32", "bf16", "fp16"]
         pfl_rounds, pfl_passes, pfl_workers = 2, 1, ["1", "2"]
+        grid_rounds, grid_seeds = 2, ["0", "1"]
     else:
         layouts = [*bench, "--paper-local-work", "--models", "resnet18", "cnn", "pfl_cnn",
                    "resnet10:16", "--algorithms", "fedavg", "--clients", "1", "5", "10", "50",
@@ -149,11 +154,15 @@ def main() -> None:
                      "fedrcl", "--clients", "5", "--modes", "one-at-a-time", "--precisions",
                      "fp32", "bf16", "fp16", "--timeout", "120"]
         pfl_rounds, pfl_passes, pfl_workers = 5, 3, ["1", "2", "3", "4"]
-    # Shares of what is left: layouts 50 %, precision 15 %, pfl the rest.
+        grid_rounds, grid_seeds = 30, ["0", "1", "2"]
+    # Shares of what is left: layouts 40 %, precision 25 %, the grid 30 %, pfl the rest.
     _run(out, [*layouts, "--json", str(out / "layouts.json"), "--budget-s",
-               f"{0.5 * left() - 60:.0f}"], 0.5 * left(), env)
+               f"{0.4 * left() - 60:.0f}"], 0.4 * left(), env)
     _run(out, [*precision, "--json", str(out / "precision.json"), "--budget-s",
-               f"{0.3 * left() - 45:.0f}"], 0.3 * left(), env)
+               f"{0.25 * left() - 45:.0f}"], 0.25 * left(), env)
+    _run(out, [sys.executable, str(ROOT / "tools" / "bench_grid.py"), "--rounds",
+               str(grid_rounds), "--seeds", *grid_seeds, "--runs-in-parallel", "1", "0", "--json",
+               str(out / "grid.json")], 0.3 * left(), env)
     _run(out, [sys.executable, str(ROOT / "tools" / "bench_pfl.py"), "--no-append", "--json",
                str(out / "pfl.json"), "--pfl-python", args.pfl_python, "--pfl-device", device,
                "--rounds", str(pfl_rounds), "--passes", str(pfl_passes), "--pfl-workers",
@@ -184,6 +193,20 @@ def write_summary(out: Path, info: dict, seconds: float) -> None:
                           markdown(analyse(d)), ""]
             except Exception as e:  # noqa: BLE001 - the summary must still be written
                 lines += [f"(fit_layout failed: {e!r})", ""]
+    path = out / "grid.json"
+    if path.exists():
+        d = json.loads(path.read_text())
+        lines += [f"## {len(d['seeds'])} seeds of the digits job, {d['rounds']} rounds (wall s "
+                  "of the whole command; one program vs separate processes)", ""]
+        sep = d["medians"].get("separate")
+        for way, m in d["medians"].items():
+            ratio = (f"; separate / this: {sep['wall_s'] / m['wall_s']:.2f}x"
+                     if sep and way != "separate" else "")
+            lines.append(f"- {way}: {m['wall_s']:.1f} s, peak RSS {m['peak_rss_gb']:.2f} GB"
+                         f"{ratio}")
+        lines.append("")
+    else:
+        lines += ["## Grid: no results (see gpu_check.log)", ""]
     path = out / "pfl.json"
     if path.exists():
         d = json.loads(path.read_text())
