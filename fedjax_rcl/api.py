@@ -27,7 +27,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from fedjax_rcl import grid, registry, training
-from fedjax_rcl.config import CoreConfig, load_config, to_dict
+from fedjax_rcl.config import CoreConfig, is_grid, load_config, to_dict
 from fedjax_rcl.data import ImageDataset
 from fedjax_rcl.loop import Callback, load_run_config, resume_config
 from fedjax_rcl.mfcl import run as mfcl_run
@@ -89,7 +89,7 @@ def _lines(run_dir: Path) -> list[dict]:
 
 def _read(run_dir: Path, cfg: CoreConfig, result: dict) -> Run:
     members = tuple(_read(Path(c.run_dir), c, result)
-                    for c in grid.member_configs(cfg, run_dir)) if cfg.seeds else ()
+                    for c in grid.member_configs(cfg, run_dir)) if is_grid(cfg) else ()
     return Run(run_dir, cfg, _lines(run_dir), bool(result.get("stopped_early", False)),
                members)
 
@@ -137,7 +137,7 @@ def train(config=None, *overrides: str, callbacks: tuple[Callback, ...] = (),
     start = PROGRAMS[registry.algorithm(cfg.algorithm).command][0]
     kwargs = dict(dataset=dataset, log=log, command=command, callbacks=tuple(callbacks),
                   progress=progress)
-    if cfg.seeds:
+    if is_grid(cfg):
         start = grid.train_grid
     if start in (training.train, grid.train_grid):
         kwargs["warn"] = _warn
@@ -156,7 +156,7 @@ def resume(run_dir: str | os.PathLike, *overrides: str, force: bool = False,
     run_dir = Path(run_dir)
     cfg = resume_config(run_dir, list(overrides), force=force)
     log = log or (print if progress else _silent)
-    go_on = (grid.continue_grid if cfg.seeds
+    go_on = (grid.continue_grid if is_grid(cfg)
              else PROGRAMS[registry.algorithm(cfg.algorithm).command][1])
     result = go_on(run_dir, cfg, force=force, dataset=dataset, progress=progress, log=log,
                    command=command, callbacks=tuple(callbacks))
@@ -169,7 +169,7 @@ def evaluate(run_dir: str | os.PathLike, *, dataset: ImageDataset | None = None)
     runs in one program (``seeds=[...]``), ``{"run_dir", "runs": [each run's], and the mean
     and sd over them of "test_accuracy" and "test_loss"}``."""
     _, cfg = load_run_config(Path(run_dir))
-    if not cfg.seeds:
+    if not is_grid(cfg):
         return training.evaluate_run(run_dir, dataset=dataset)
     return grid.evaluate_grid(run_dir, cfg, dataset=dataset)
 

@@ -157,7 +157,7 @@ def _command(argv: list[str] | None) -> int:
         else:
             args.args = [*args.args, *extra]
     # Imports after parsing so that `--help` and usage errors are instant.
-    from fedjax_rcl.config import load_config, to_yaml
+    from fedjax_rcl.config import is_grid, load_config, to_yaml
     from fedjax_rcl.data import DataError
     from fedjax_rcl.loop import TrainingError
     from fedjax_rcl.validation import ConfigError
@@ -202,7 +202,7 @@ def _command(argv: list[str] | None) -> int:
             if args.print_config:
                 print(to_yaml(cfg), end="")
                 return 0
-            if cfg.seeds:
+            if is_grid(cfg):
                 from fedjax_rcl.grid import train_grid as train
             else:
                 from fedjax_rcl.training import train

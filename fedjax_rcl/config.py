@@ -30,8 +30,9 @@ from fedjax_rcl.validation import (
     require,
 )
 
-__all__ = ["CheckContext", "ConfigError", "CoreConfig", "check_levels", "degenerate_settings",
-           "finite", "flat_keys", "load_config", "schema", "to_yaml", "validate"]
+__all__ = ["CheckContext", "ConfigError", "CoreConfig", "SweepConfig", "check_levels",
+           "degenerate_settings", "finite", "flat_keys", "grid_members", "is_grid",
+           "load_config", "member_name", "schema", "to_yaml", "validate", "with_setting"]
 
 
 @dataclass
@@ -66,6 +67,21 @@ class DistributedConfig:
 
 
 @dataclass
+class SweepConfig:
+    """One float setting's values, one run each, in one compiled program (``fedjax_rcl.grid``).
+
+    Attributes:
+      key: the setting swept, a float key such as ``fedrcl.beta``, ``alpha`` or ``lr``
+        (``fedrcl.beta=[0.5,1,2]`` on the command line sets ``key`` and ``values``); null: no
+        sweep.
+      values: its values, one run each (with ``seeds``: one run per value and seed).
+    """
+
+    key: str | None = None
+    values: list[float] = field(default_factory=list)
+
+
+@dataclass
 class CoreConfig:
     """One federated run's core keys. ``Config`` adds a section per registered algorithm
     (``fedrcl.beta``) and server optimizer (``server.fedadam.tau``); ``validate`` enforces
@@ -77,8 +93,11 @@ class CoreConfig:
       seeds: several runs in one compiled program, one per seed (``seeds=[0,1,2]``): each an
         ordinary run directory ``run_dir/seed-<s>`` with ``seed: s``, equal to that seed run
         alone; ``seed`` is then unused. Empty: one run.
-      runs_in_parallel: with ``seeds``, runs trained side by side (``vmap``) within the
-        program; 1: one after another (each bitwise equal to its run alone); 0: all at once.
+      runs_in_parallel: with ``seeds`` or a ``sweep``, runs trained side by side (``vmap``)
+        within the program; 1: one after another; 0: all at once.
+      sweep: one float setting's values, one run each in the same program (``sweep.key``,
+        ``sweep.values``; ``fedrcl.beta=[0.5,1,2]`` sets both); with ``seeds``, one run per
+        value and seed. Each is an ordinary run directory ``run_dir/<key>-<value>[-seed-<s>]``.
       init_threefry_partitionable: draw the initial weights with threefry's partitionable
         bit layout (JAX's default), as the project's earliest runs did, so that a new run can
         share their start.
@@ -143,6 +162,7 @@ class CoreConfig:
     seed: int = 0
     seeds: list[int] = field(default_factory=list)
     runs_in_parallel: int = 1
+    sweep: SweepConfig = field(default_factory=SweepConfig)
     init_threefry_partitionable: bool = False
     dataset: str = "digits"
     data_dir: str | None = None
@@ -347,7 +367,7 @@ def load_config(path: str | None = None, overrides: list[str] | tuple[str, ...] 
     if plugin_problems:
         raise ConfigError(plugin_problems)
     base = OmegaConf.structured(schema())
-    overrides = [_quote_string_value(o) for o in overrides]
+    overrides = [_quote_string_value(o) for o in _sweep_overrides(overrides)]
     try:
         return _merged(base, layers, overrides)
     except ConfigError as first:
@@ -391,6 +411,62 @@ def _field_type(key: str) -> str | None:
     return str(fields[name]) if name in fields else None
 
 
+# Float settings that decide the program's shapes: their values cannot share one program.
+SHAPE_SETTINGS = {"participation": "sets how many clients a round trains"}
+_SWEEPABLE = ("float", "float | None")
+
+
+def _sweep_overrides(overrides: list[str]) -> list[str]:
+    """``key=[v0,v1,...]`` for a float setting as ``sweep.key=key sweep.values=[...]``; a
+    list for any other single-valued setting is refused with what a sweep takes."""
+    out, swept = [], []
+    for o in overrides:
+        key, _, value = o.partition("=")
+        key, value = key.strip(), value.strip()
+        kind = _field_type(key)
+        if not value.startswith("[") or kind is None or kind.startswith("list"):
+            out.append(o)
+        elif kind in _SWEEPABLE:
+            swept.append(key)
+            out += [f"sweep.key={key}", f"sweep.values={value}"]
+        else:
+            raise ConfigError([f"{key}={value}: a list of values is a sweep, of one float "
+                               f"setting (e.g. fedrcl.beta=[0.5,1,2], alpha=[0.1,0.3], "
+                               f"lr=[0.05,0.1]); {key} is {kind}"])
+    if len(swept) > 1:
+        raise ConfigError([f"{', '.join(swept)}: lists for {len(swept)} settings; a grid "
+                           "sweeps one setting (with seeds=[...] beside it)"])
+    return out
+
+
+def with_setting(cfg, key: str, value):
+    """``cfg`` with the dotted ``key`` set to ``value`` (nested dataclasses replaced)."""
+    head, _, rest = key.partition(".")
+    inner = with_setting(getattr(cfg, head), rest, value) if rest else value
+    return dataclasses.replace(cfg, **{head: inner})
+
+
+def is_grid(cfg: CoreConfig) -> bool:
+    """Whether ``cfg`` is several runs in one program (``seeds`` or a ``sweep``)."""
+    return bool(cfg.seeds) or cfg.sweep.key is not None
+
+
+def member_name(seed: int | None, key: str | None = None, value: float | None = None) -> str:
+    """A grid member's directory name: ``seed-1``, ``fedrcl.beta-0.5``,
+    ``fedrcl.beta-0.5-seed-1``."""
+    parts = ([] if key is None else [f"{key}-{float(value):.12g}"]) + (
+        [] if seed is None else [f"seed-{seed}"])
+    return "-".join(parts)
+
+
+def grid_members(seeds: list[int], key: str | None, values: list[float]
+                 ) -> list[tuple[str, int | None, float | None]]:
+    """``(name, seed or None, value or None)`` of each member of a grid, value by value,
+    seed by seed."""
+    return [(member_name(s, key, v), s, v) for v in (values if key is not None else [None])
+            for s in (seeds or [None])]
+
+
 def _quote_string_value(override: str) -> str:
     """``key=value`` with the value quoted when the key is a string: OmegaConf would otherwise
     read ``dataset=imagefolder:`` as the mapping ``{imagefolder: null}``."""
@@ -414,7 +490,7 @@ RESUME_SAFE_KEYS = ("rounds", "checkpoint_every", "keep_checkpoints", "eval_batc
 # means): left out of the digest while they hold it, so that the runs' checkpoints still resume.
 DIGEST_NEUTRAL_DEFAULTS = {"mfcl.bn_statistics": "running", "init_threefry_partitionable": False,
                            "client_eval": False, "precision": "fp32", "seeds": [],
-                           "runs_in_parallel": 1}
+                           "runs_in_parallel": 1, "sweep.key": None, "sweep.values": []}
 
 
 def flat_keys(d: dict, prefix: str = "") -> dict:
@@ -442,6 +518,8 @@ def _result_settings(cfg: CoreConfig) -> dict:
                          if "." not in k or k.startswith(f"{value.optimizer}.")})
         elif f.name == "tracking":
             continue  # where metrics are mirrored changes no result
+        elif f.name == "sweep":
+            flat.update(flat_keys(dataclasses.asdict(value), "sweep."))
         elif dataclasses.is_dataclass(value) and f.name != "distributed":
             entry = registry.ALGORITHMS.get(cfg.algorithm)
             if entry is not None and entry.section == f.name:
@@ -562,6 +640,34 @@ def degenerate_settings(cfg: CoreConfig) -> list[str]:
     return out
 
 
+def _validate_sweep(cfg: CoreConfig, p: list[str]) -> None:
+    """A sweep names one float setting that leaves the program's shapes alone, and each of its
+    values makes a valid run (its problems prefixed with ``key=value``)."""
+    key, values = cfg.sweep.key, list(cfg.sweep.values)
+    if key is None:
+        require(p, not values, "sweep.values", values, "needs sweep.key (the setting swept)")
+        return
+    kind = _field_type(key)
+    if kind not in _SWEEPABLE:
+        p.append(f"sweep.key={key!r}: must name a float setting, such as fedrcl.beta, alpha or "
+                 "lr" + ("" if kind is None else f" ({key} is {kind})"))
+        return
+    if key in SHAPE_SETTINGS:
+        p.append(f"sweep.key={key!r}: {key} {SHAPE_SETTINGS[key]}, the program's shapes; its "
+                 "values cannot share one program (run them separately)")
+        return
+    require(p, bool(values) and all(finite(v) for v in values), "sweep.values", values,
+            f"must be a non-empty list of finite numbers (the values of {key})")
+    require(p, len(set(values)) == len(values), "sweep.values", values,
+            "must not repeat a value")
+    base = dataclasses.replace(cfg, seeds=[], sweep=SweepConfig())
+    for v in values if all(finite(v) for v in values) else ():
+        try:
+            validate(with_setting(base, key, float(v)), check_data=False)
+        except ConfigError as e:
+            p.extend(f"{key}={float(v):.12g}: {x}" for x in e.problems if x not in p)
+
+
 def validate(cfg: CoreConfig, *, check_data: bool = True) -> None:
     """Checks every field; raises ``ConfigError`` listing all problems (one line each).
 
@@ -640,13 +746,13 @@ def validate(cfg: CoreConfig, *, check_data: bool = True) -> None:
     require(p, len(set(seeds)) == len(seeds), "seeds", seeds, "must not repeat a seed")
     require(p, cfg.runs_in_parallel >= 0, "runs_in_parallel", cfg.runs_in_parallel,
            "must be >= 0 (0: all runs side by side, 1: one after another)")
-    if seeds:
+    if is_grid(cfg):
         require(p, cfg.client_states == "device", "client_states", cfg.client_states,
-               "must be 'device' with seeds (the runs' tables live in one program)")
+               "must be 'device' with seeds or a sweep (the runs' tables live in one program)")
         require(p, cfg.devices == 1, "devices", cfg.devices,
-               "must be 1 with seeds (several runs share one device)")
+               "must be 1 with seeds or a sweep (several runs share one device)")
         require(p, cfg.distributed.num_processes == 1, "distributed.num_processes",
-               cfg.distributed.num_processes, "must be 1 with seeds")
+               cfg.distributed.num_processes, "must be 1 with seeds or a sweep")
     d = cfg.distributed
     require(p, d.num_processes >= 1, "distributed.num_processes", d.num_processes, "must be >= 1")
     require(p, 0 <= d.process_id < max(d.num_processes, 1), "distributed.process_id",
@@ -677,6 +783,7 @@ def validate(cfg: CoreConfig, *, check_data: bool = True) -> None:
         p.append(f"norm='twin': needs batches of view pairs; algorithm={cfg.algorithm!r} uses "
                  f"one view per sample (two-view algorithms: {', '.join(two_view)})")
     _validate_sections(cfg, p)
+    _validate_sweep(cfg, p)
     if check_data:
         from fedjax_rcl.data import DataError, check_dataset_spec
 

@@ -13,6 +13,7 @@ import dataclasses
 import functools
 import math
 from collections.abc import Callable
+from typing import NamedTuple
 
 import flax.linen as nn
 import jax
@@ -44,8 +45,19 @@ from fedjax_rcl.engine.sharding import client_mesh, put_replicated
 from fedjax_rcl.engine.tables import Advance, ClientTable, client_table
 from fedjax_rcl.models import ModelFns, get_model, model_fns
 from fedjax_rcl.models.base import with_precision
-from fedjax_rcl.server import server_optimizer
+from fedjax_rcl.server import ServerOptimizer, server_optimizer
 from fedjax_rcl.validation import ConfigError
+
+
+class TrainingProgram(NamedTuple):
+    """What a run's training settings make of its model and data: the client algorithm, the
+    local-training settings, the server optimizer, one client's update and one round."""
+
+    algorithm: ClientAlgorithm
+    settings: LocalTraining
+    server_optimizer: ServerOptimizer
+    local_update: Callable
+    round_rows: Callable
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -67,6 +79,10 @@ class Experiment:
         (the server optimizer's; FedACG's look-ahead), for side computations such as the
         analysis.
       mesh: the clients mesh, None on one device.
+      program_for: ``cfg -> TrainingProgram``, the training program of this run's data,
+        model and layout under another config's training settings (``round_rows`` is
+        ``program_for(cfg).round_rows``); a grid sweeping a setting calls it with that
+        setting a traced value.
     """
 
     cfg: CoreConfig
@@ -84,6 +100,7 @@ class Experiment:
     evaluate: Callable
     server_start: Callable
     mesh: Mesh | None = None
+    program_for: Callable[[CoreConfig], TrainingProgram] | None = None
 
     @functools.cached_property
     def run_round(self) -> Callable:
@@ -176,51 +193,63 @@ def build(cfg: CoreConfig, dataset: ImageDataset | None = None, *,
     # Local training (and the algorithm's own forward passes) in the configured precision;
     # evaluation and analysis in float32.
     train_model = with_precision(model, cfg.precision)
-    algorithm = make_algorithm(cfg, train_model)
     root = jax.random.PRNGKey(cfg.seed)
     params, model_state = model.init(init_key(root), np.zeros((1, *dataset.image_shape)))
-
     sizes = np.asarray([len(p) for p in parts])
-    settings = LocalTraining(
-        batch_size=cfg.batch_size,
-        local_epochs=cfg.local_epochs,
-        steps_per_epoch=math.ceil(padded / cfg.batch_size),
-        uniform_sizes=bool(sizes.min() == sizes.max() == padded),
-        lr_fn=lambda r, e: cfg.lr * jnp.power(cfg.lr_decay, (r + e).astype(jnp.float32)),
-        mean=dataset.mean,
-        std=dataset.std,
-        hflip=dataset.hflip,
-        augment=cfg.augment,
-        num_classes=dataset.num_classes,
-        num_views=registry.algorithm(cfg.algorithm).num_views,
-        client_eval=cfg.client_eval,
-        precision=cfg.precision,
-    )
-    if algorithm.optimizer is not None:  # the algorithm prescribes its own (MFCL: Adam)
-        opt = algorithm.optimizer(cfg.lr, clip_norm=cfg.clip_norm,
-                                  weight_decay=cfg.weight_decay)
-    else:
-        opt = client_optimizer(cfg.lr, clip_norm=cfg.clip_norm, weight_decay=cfg.weight_decay,
-                               momentum=cfg.momentum)
-    sopt = server_optimizer(cfg)
-    local_update = make_local_update(train_model, algorithm, opt, settings,
-                                     penalty=sopt.client_penalty, penalty_name=sopt.penalty_name)
+    num_views = registry.algorithm(cfg.algorithm).num_views
+    step_gflop = (training_step_gflop(model, params, model_state, dataset.image_shape,
+                                      cfg.batch_size, num_views)
+                  if not cfg.clients_in_parallel else math.nan)
+    in_parallel = clients_in_parallel(cfg, step_gflop)
+
+    def program_for(cfg: CoreConfig) -> TrainingProgram:
+        # Everything the config's training settings decide; a grid calls it again with one
+        # setting a traced value (fedjax_rcl.grid), so nothing here may branch on a value.
+        algorithm = make_algorithm(cfg, train_model)
+        settings = LocalTraining(
+            batch_size=cfg.batch_size,
+            local_epochs=cfg.local_epochs,
+            steps_per_epoch=math.ceil(padded / cfg.batch_size),
+            uniform_sizes=bool(sizes.min() == sizes.max() == padded),
+            lr_fn=lambda r, e: cfg.lr * jnp.power(cfg.lr_decay, (r + e).astype(jnp.float32)),
+            mean=dataset.mean,
+            std=dataset.std,
+            hflip=dataset.hflip,
+            augment=cfg.augment,
+            num_classes=dataset.num_classes,
+            num_views=num_views,
+            client_eval=cfg.client_eval,
+            precision=cfg.precision,
+        )
+        if algorithm.optimizer is not None:  # the algorithm prescribes its own (MFCL: Adam)
+            opt = algorithm.optimizer(cfg.lr, clip_norm=cfg.clip_norm,
+                                      weight_decay=cfg.weight_decay)
+        else:
+            opt = client_optimizer(cfg.lr, clip_norm=cfg.clip_norm,
+                                   weight_decay=cfg.weight_decay, momentum=cfg.momentum)
+        sopt = server_optimizer(cfg)
+        local_update = make_local_update(train_model, algorithm, opt, settings,
+                                         penalty=sopt.client_penalty,
+                                         penalty_name=sopt.penalty_name)
+        round_rows = make_round(local_update, sopt, num_clients=cfg.num_clients,
+                                server_message=algorithm.server_message,
+                                participation=cfg.participation,
+                                aggregation=cfg.aggregation, mesh=mesh,
+                                clients_in_parallel=in_parallel)
+        return TrainingProgram(algorithm, settings, sopt, local_update, round_rows)
+
+    program = program_for(cfg)
+    algorithm, settings, sopt = program.algorithm, program.settings, program.server_optimizer
     reports = report_like(train_model, algorithm, params, model_state, dataset.image_shape,
                           cfg.batch_size, settings.num_views)
-    step_gflop = (training_step_gflop(model, params, model_state, dataset.image_shape,
-                                      cfg.batch_size, settings.num_views)
-                  if not cfg.clients_in_parallel else math.nan)
-    round_rows = make_round(local_update, sopt, num_clients=cfg.num_clients,
-                            server_message=algorithm.server_message,
-                            participation=cfg.participation, aggregation=cfg.aggregation,
-                            mesh=mesh, clients_in_parallel=clients_in_parallel(cfg, step_gflop))
     table = client_table(cfg.client_states, cfg.num_clients,
                          clients_per_round(cfg.num_clients, cfg.participation), mesh)
     state = init_server_state(params, model_state, algorithm, sopt, root, reports)
     state = table.place(jax.device_get(state), algorithm.init_client_state(params, model_state))
     return Experiment(cfg=cfg, dataset=dataset, parts=parts, model=model, algorithm=algorithm,
                       data=data, test=test, state=state, settings=settings,
-                      local_update=local_update, round_rows=round_rows, table=table,
+                      local_update=program.local_update, round_rows=program.round_rows,
+                      table=table, program_for=program_for,
                       evaluate=jax.jit(make_evaluate(model, mean=dataset.mean,
                                                      std=dataset.std)),
                       server_start=sopt.start, mesh=mesh)

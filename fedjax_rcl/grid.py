@@ -1,4 +1,5 @@
-"""Several runs in one compiled program: ``train`` with ``seeds=[s0, s1, ...]``.
+"""Several runs in one compiled program: ``train`` with ``seeds=[s0, s1, ...]``, a sweep of one
+float setting (``fedrcl.beta=[0.5,1,2]``), or both.
 
 Federated learning results need several seeds per setting. Run one after another as separate
 processes, each compiles the same program again and, on an accelerator, each small model
@@ -7,18 +8,25 @@ whole round.
 
 The run directory::
 
-    RUN_DIR/config.yaml, commands.txt, environment.jsonl    the grid (``seeds`` set)
+    RUN_DIR/config.yaml, commands.txt, environment.jsonl    the grid (``seeds``, ``sweep``)
     RUN_DIR/seed-<s>/                                        one ordinary run per seed
+    RUN_DIR/<key>-<value>[-seed-<s>]/                        ... per value (and seed)
 
 Each member is built exactly as that seed's run alone (``seed: s``: its own split, initial
 weights and client sampling) and is an ordinary run directory (``config.yaml``,
 ``metrics.jsonl``, ``checkpoints/``, ``accuracy.png``; ``resume`` and ``eval`` take it as
-any run). The members' client index tables are padded to the largest client of any member, so
-that one program fits them all: a client's steps past its own data are masked, as an uneven
-client's already are, and its shuffles do not depend on the padding, so a member's results are
-those of its run alone. Their server states are stacked on the run axis and the rounds between
-two evaluations are ``lax.map``ped over it: the runs go one after another inside the program,
-each with the arithmetic it has alone (the tests compare bitwise), which is what a CPU wants.
+any run). A swept setting enters the program as a traced value per run (the training program
+is built again with it, ``Experiment.program_for``), so the runs still share one program; a
+setting the program branches on in Python cannot (it is refused before the run starts), and
+neither can one that sets the program's shapes (``participation``). ``alpha`` changes only
+the split, which is each member's data. The members' client index tables are padded to the
+largest client of any member, so that one program fits them all: a client's steps past its
+own data are masked, as an uneven client's already are, and its shuffles do not depend on
+the padding, so a member's results are those of its run alone. Their server states are
+stacked on the run axis and the rounds between two evaluations are ``lax.map``ped over it:
+the runs go one after another inside the program, each with the arithmetic it has alone (the
+tests compare seeds bitwise; a swept value is an operand where the run alone has a constant
+XLA may fold, so a sweep agrees within float reassociation), which is what a CPU wants.
 ``runs_in_parallel=K`` instead trains groups of K runs side by side (``vmap``; 0: all), as an
 accelerator that one small run leaves idle may want; results then agree within float
 reassociation. A grid whose runs' states cannot fit on the device is refused before compiling
@@ -44,7 +52,15 @@ import numpy as np
 
 from fedjax_rcl import registry, rundir
 from fedjax_rcl.checkpoint import Checkpointer
-from fedjax_rcl.config import CoreConfig, config_digest, degenerate_settings, legacy_config_digest
+from fedjax_rcl.config import (
+    CoreConfig,
+    SweepConfig,
+    config_digest,
+    degenerate_settings,
+    grid_members,
+    legacy_config_digest,
+    with_setting,
+)
 from fedjax_rcl.data import ImageDataset, load_dataset
 from fedjax_rcl.engine.round import make_run_rounds
 from fedjax_rcl.engine.sharding import to_host
@@ -74,22 +90,44 @@ from fedjax_rcl.training import (
 )
 from fedjax_rcl.validation import ConfigError
 
-__all__ = ["GridProgram", "build_members", "check_fits", "compile_grid", "continue_grid",
+__all__ = ["GridProgram", "build_members", "check_fits", "check_sweep", "compile_grid",
+           "continue_grid",
            "device_memory", "evaluate_grid", "member_configs",
            "member_dir", "train_grid"]
 
 
 def member_dir(parent: Path, seed: int) -> Path:
-    """Where the member of seed ``seed`` lives."""
+    """Where the member of seed ``seed`` of a grid of seeds lives."""
     return Path(parent) / f"seed-{seed}"
 
 
+def setting(cfg, key: str):
+    """The value of the dotted setting ``key`` in ``cfg``."""
+    for part in key.split("."):
+        cfg = getattr(cfg, part)
+    return cfg
+
+
 def member_configs(cfg: CoreConfig, parent: Path | None) -> list[CoreConfig]:
-    """One ordinary run config per seed of ``cfg.seeds`` (``seed: s``, no ``seeds``, its run
-    directory inside ``parent``)."""
-    return [dataclasses.replace(cfg, seed=s, seeds=[],
-                                run_dir=None if parent is None else str(member_dir(parent, s)))
-            for s in cfg.seeds]
+    """One ordinary run config per member: per value of ``cfg.sweep`` (that setting set to
+    it) and per seed of ``cfg.seeds`` (``seed: s``), no ``seeds`` or ``sweep``, its run
+    directory inside ``parent`` (``config.grid_members`` names it)."""
+    base = dataclasses.replace(cfg, seeds=[], sweep=SweepConfig())
+    out = []
+    for name, seed, value in grid_members(list(cfg.seeds), cfg.sweep.key,
+                                          list(cfg.sweep.values)):
+        c = base if seed is None else dataclasses.replace(base, seed=seed)
+        c = c if value is None else with_setting(c, cfg.sweep.key, float(value))
+        out.append(dataclasses.replace(
+            c, run_dir=None if parent is None else str(Path(parent) / name)))
+    return out
+
+
+def _label(cfg: CoreConfig, key: str | None) -> str:
+    """How messages name a member: its directory, else its seed and value."""
+    if cfg.run_dir:
+        return Path(cfg.run_dir).name
+    return f"seed {cfg.seed}" + ("" if key is None else f", {key}={setting(cfg, key)}")
 
 
 def build_members(cfgs: list[CoreConfig], dataset: ImageDataset | None = None
@@ -113,12 +151,13 @@ def device_memory() -> int | None:
         return None
 
 
-def check_fits(exps: list[Experiment], limit: int | None = None) -> int:
+def check_fits(exps: list[Experiment], limit: int | None = None,
+               grid: CoreConfig | None = None) -> int:
     """Refuses, before anything is compiled, a grid whose runs' state cannot fit: every run
     keeps its server state (model, server optimizer, per-client table) and client index table
     on the device, twice while a block's new state is written (the data set is shared). The
-    working memory of the runs in flight comes on top and is not counted. Returns the
-    estimate in bytes."""
+    working memory of the runs in flight comes on top and is not counted. ``grid``: the
+    grid's config, to name it in the refusal. Returns the estimate in bytes."""
     from fedjax_rcl.checkpoint import state_nbytes
 
     each = [2 * state_nbytes(e.state) + e.data.client_indices.nbytes for e in exps]
@@ -126,11 +165,17 @@ def check_fits(exps: list[Experiment], limit: int | None = None) -> int:
     limit = device_memory() if limit is None else limit
     if limit is not None and need > 0.8 * limit:
         fit = max(0, int((0.8 * limit - exps[0].data.images.nbytes) // max(each)))
-        raise ConfigError([f"seeds={list(exps[0].cfg.seeds) or [e.cfg.seed for e in exps]}: "
-                           f"{len(exps)} runs need about {_size(need)} on the device "
+        if grid is None or grid.sweep.key is None:
+            label = f"seeds={list(grid.seeds) if grid else [e.cfg.seed for e in exps]}"
+            fewer = "seeds"
+        else:
+            label = f"{grid.sweep.key}={list(grid.sweep.values)}" + (
+                f", seeds={list(grid.seeds)}" if grid.seeds else "")
+            fewer = "values or seeds"
+        raise ConfigError([f"{label}: {len(exps)} runs need about {_size(need)} on the device "
                            f"({_size(max(each))} each: model, optimizer and per-client table, "
                            f"twice; the data set once) beyond 80 % of its {_size(limit)}; at "
-                           f"most {fit} fit: use fewer seeds"])
+                           f"most {fit} fit: use fewer {fewer}"])
     return need
 
 
@@ -156,24 +201,59 @@ class GridProgram:
     compile_s: float
 
 
-def compile_grid(exps: list[Experiment], states, log: Callable[[str], None] = print
-                 ) -> GridProgram:
+def _member_rounds(exps: list[Experiment], key: str | None):
+    """``(rounds_for, values)``: ``rounds_for(value)`` is the members' rounds between two
+    evaluations (``value``: a member's traced value of the swept setting ``key``), ``values``
+    each member's value, weakly typed as a Python float is (a bf16 program stays bf16)."""
+    first = exps[0]
+    capacity = first.cfg.eval_every
+    if key is None:
+        rounds = make_run_rounds(first.table.run_round(first.round_rows), capacity)
+        return (lambda value: rounds), jnp.stack([jnp.asarray(0.0)] * len(exps))
+
+    def rounds_for(value):
+        program = first.program_for(with_setting(first.cfg, key, value))
+        return make_run_rounds(first.table.run_round(program.round_rows), capacity)
+
+    return rounds_for, jnp.stack([jnp.asarray(float(setting(e.cfg, key))) for e in exps])
+
+
+def check_sweep(exps: list[Experiment], key: str | None) -> None:
+    """Refuses, before the run starts, a swept setting the program branches on in Python
+    (it cannot be a traced value), by tracing one member's rounds with it traced."""
+    if key is None:
+        return
+    rounds_for, values = _member_rounds(exps, key)
+    e = exps[0]
+    try:
+        jax.eval_shape(lambda v: rounds_for(v)(e.state, e.data, jnp.int32(1)), values[0])
+    except (jax.errors.ConcretizationTypeError, jax.errors.TracerIntegerConversionError,
+            jax.errors.TracerArrayConversionError) as err:
+        raise ConfigError([f"sweep.key={key!r}: the training program decides by the value of "
+                           f"{key} in Python ({type(err).__name__}), so its values cannot "
+                           "share one program; run them separately"]) from None
+
+
+def compile_grid(exps: list[Experiment], states, log: Callable[[str], None] = print,
+                 key: str | None = None) -> GridProgram:
     """Compiles the members' rounds between two evaluations, mapped over the run axis, and
-    their evaluation, once."""
+    their evaluation, once (``key``: the swept setting, a traced value per member)."""
     first = exps[0]
     capacity = first.cfg.eval_every
     group = first.cfg.runs_in_parallel or len(exps)
     batch = None if group <= 1 else min(group, len(exps))  # lax.map: vmap within groups
-    rounds = make_run_rounds(first.table.run_round(first.round_rows), capacity)
+    rounds_for, values = _member_rounds(exps, key)
+    values = jax.device_put(values)
     indices = jax.device_put(np.stack([np.asarray(e.data.client_indices) for e in exps]))
     sizes = jax.device_put(np.stack([np.asarray(e.data.client_sizes) for e in exps]))
 
-    def advance_all(states, data, indices, sizes, n):
+    def advance_all(states, data, indices, sizes, values, n):
         def one(member):
-            state, idx, size = member
-            return rounds(state, data.replace(client_indices=idx, client_sizes=size), n)
+            state, idx, size, value = member
+            return rounds_for(value)(state, data.replace(client_indices=idx,
+                                                         client_sizes=size), n)
 
-        return jax.lax.map(one, (states, indices, sizes), batch_size=batch)
+        return jax.lax.map(one, (states, indices, sizes, values), batch_size=batch)
 
     def evaluate_all(states, test):
         return jax.lax.map(lambda s: first.evaluate(s.params, s.model_state, test), states,
@@ -183,13 +263,13 @@ def compile_grid(exps: list[Experiment], states, log: Callable[[str], None] = pr
     t0 = time.perf_counter()
     n0 = jax.device_put(np.int32(capacity))
     compiled = jax.jit(advance_all, donate_argnums=0).lower(
-        states, first.data, indices, sizes, n0).compile()
+        states, first.data, indices, sizes, values, n0).compile()
     evaluate = jax.jit(evaluate_all).lower(states, first.test).compile()
     compile_s = time.perf_counter() - t0
     log(f"compiled in {compile_s:.1f} s")
 
     def advance(states, n: int):
-        states, metrics = compiled(states, first.data, indices, sizes,
+        states, metrics = compiled(states, first.data, indices, sizes, values,
                                    jax.device_put(np.int32(n)))
         return states, jax.tree.map(lambda x: x[:, :n], to_host(metrics))
 
@@ -246,7 +326,7 @@ def _spread(values: list[float]) -> tuple[float, float]:
 
 
 def _grid_stage(exps: list[Experiment], program: GridProgram, ckpts: list[Checkpointer],
-                emas: list, priors: list[float]) -> Stage:
+                emas: list, priors: list[float], key: str | None = None) -> Stage:
     """The members' rounds as one stage of the run loop: each member's metrics line, checkpoint
     and per-client lines are those of its own stage (``training.rounds_stage``)."""
     cfg = exps[0].cfg
@@ -263,7 +343,7 @@ def _grid_stage(exps: list[Experiment], program: GridProgram, ckpts: list[Checkp
             try:
                 check_finite(m, done, n)
             except TrainingError as err:
-                raise TrainingError(f"seed {e.cfg.seed}: {err}") from None
+                raise TrainingError(f"{_label(e.cfg, key)}: {err}") from None
             outs.append((m, _member(evals, i)))
         return states, outs
 
@@ -286,7 +366,8 @@ def _grid_stage(exps: list[Experiment], program: GridProgram, ckpts: list[Checkp
 
     def describe(r):
         return (f"test acc {r['test_accuracy']:.4f} ± {r['test_accuracy_sd']:.4f} over "
-                f"{len(exps)} seeds (EMA {r['test_accuracy_ema']:.4f} ± "
+                f"{len(exps)} {'seeds' if key is None else 'runs'} (EMA "
+                f"{r['test_accuracy_ema']:.4f} ± "
                 f"{r['test_accuracy_ema_sd']:.4f})")
 
     return Stage(label="round", unit="rounds", total=cfg.rounds, every=cfg.eval_every,
@@ -298,14 +379,15 @@ def _grid_stage(exps: list[Experiment], program: GridProgram, ckpts: list[Checkp
 
 
 def _run_grid(parent: Path, exps: list[Experiment], ckpts: list[Checkpointer], states,
-              done: int, emas: list, *, progress: bool, log, callbacks=()) -> dict:
+              done: int, emas: list, *, progress: bool, log, callbacks=(),
+              key: str | None = None) -> dict:
 
     dirs = [Path(e.cfg.run_dir) for e in exps]
     grid_ckpt = _Checkpointers(ckpts)
     try:
-        program = compile_grid(exps, states, log)
+        program = compile_grid(exps, states, log, key)
         stage = _grid_stage(exps, program, ckpts, emas,
-                            [prior_seconds(d, done) for d in dirs])
+                            [prior_seconds(d, done) for d in dirs], key)
         sink = _Sinks([Sink(d, e.cfg, resumed_at=done) for d, e in zip(dirs, exps, strict=True)])
         clients = (_StepSinks([Sink(d, name=CLIENTS_FILE) for d in dirs])
                    if stage.step_lines is not None else None)
@@ -322,13 +404,13 @@ def _run_grid(parent: Path, exps: list[Experiment], ckpts: list[Checkpointer], s
     finally:
         grid_ckpt.close()
     for d, e in zip(dirs, exps, strict=True):
-        plot_run(d, e.cfg, f" · seed {e.cfg.seed}")
+        plot_run(d, e.cfg, f" · {d.name}")
     if record:
         log(f"done: {len(exps)} runs, rounds {first}..{record['round']} in {elapsed:.1f} s "
             f"(compile {program.compile_s:.1f} s); test accuracy "
             f"{record['test_accuracy']:.4f} ± {record['test_accuracy_sd']:.4f} (EMA "
             f"{record['test_accuracy_ema']:.4f} ± {record['test_accuracy_ema_sd']:.4f}); "
-            f"runs in {parent}/seed-*")
+            f"runs in {parent}/{{{','.join(d.name for d in dirs)}}}")
     return {**record, "compile_s": program.compile_s, "run_dir": str(parent),
             "stopped_early": stopped}
 
@@ -336,16 +418,17 @@ def _run_grid(parent: Path, exps: list[Experiment], ckpts: list[Checkpointer], s
 def _check_command(cfg: CoreConfig) -> None:
     runs_with = registry.algorithm(cfg.algorithm).command
     if runs_with != "train":
-        raise ConfigError([f"seeds={list(cfg.seeds)}: several runs in one program are "
-                           f"'fedjax-rcl train' runs; algorithm={cfg.algorithm!r} runs with "
-                           f"'fedjax-rcl {runs_with}'"])
+        raise ConfigError([f"seeds={list(cfg.seeds)}, sweep.key={cfg.sweep.key!r}: several "
+                           f"runs in one program are 'fedjax-rcl train' runs; algorithm="
+                           f"{cfg.algorithm!r} runs with 'fedjax-rcl {runs_with}'"])
 
 
 def train_grid(cfg: CoreConfig, *, dataset: ImageDataset | None = None, progress: bool = True,
                log: Callable[[str], None] = print, command: str | None = None,
                warn: Callable[[str], None] = warn_stderr,
                callbacks: tuple[Callback, ...] = ()) -> dict:
-    """Trains one run per seed of ``cfg.seeds`` in one compiled program (module docstring).
+    """Trains one run per member (seed of ``cfg.seeds``, value of ``cfg.sweep``, or both) in
+    one compiled program (module docstring).
 
     Returns the last grid line: the mean and sd over the runs of the test accuracy and its
     EMA, each run's own line (``"runs"``) and ``run_dir`` (the grid's directory). Callbacks
@@ -358,7 +441,8 @@ def train_grid(cfg: CoreConfig, *, dataset: ImageDataset | None = None, progress
     def prepare() -> list[Experiment]:
         log(f"loading data: {cfg.dataset} ...")
         exps = build_members(member_configs(cfg, None), dataset)
-        check_fits(exps)
+        check_fits(exps, grid=cfg)
+        check_sweep(exps, cfg.sweep.key)
         return exps
 
     with new_run(cfg, prepare, command=command) as (parent, exps):
@@ -367,9 +451,9 @@ def train_grid(cfg: CoreConfig, *, dataset: ImageDataset | None = None, progress
         with contextlib.ExitStack() as members:
             for c in cfgs:
                 members.enter_context(new_run(c, lambda: None, command=command))
-            log(f"run_dir: {parent}  |  {len(cfgs)} runs (seeds {', '.join(map(str, cfg.seeds))})"
-                f" of {cfg.algorithm} on {cfg.model}, {cfg.dataset}  |  backend "
-                f"{jax.default_backend()}")
+            names = ", ".join(Path(c.run_dir).name for c in cfgs)
+            log(f"run_dir: {parent}  |  {len(cfgs)} runs ({names}) of {cfg.algorithm} on "
+                f"{cfg.model}, {cfg.dataset}  |  backend {jax.default_backend()}")
             ckpts = [Checkpointer(Path(c.run_dir) / "checkpoints", keep=c.keep_checkpoints)
                      for c in cfgs]
             grid_ckpt = _Checkpointers(ckpts)
@@ -377,7 +461,7 @@ def train_grid(cfg: CoreConfig, *, dataset: ImageDataset | None = None, progress
                             [checkpoint_meta(c, 0, None) for c in cfgs], "round 0")
             return _run_grid(parent, exps, ckpts, _stack([e.state for e in exps]), 0,
                              [None] * len(exps), progress=progress, log=log,
-                             callbacks=callbacks)
+                             callbacks=callbacks, key=cfg.sweep.key)
 
 
 def continue_grid(run_dir: Path, cfg: CoreConfig, *, force: bool = False,
@@ -398,7 +482,8 @@ def continue_grid(run_dir: Path, cfg: CoreConfig, *, force: bool = False,
             locks.enter_context(rundir.locked(Path(c.run_dir)))
         log(f"loading data: {cfg.dataset} ...")
         exps = build_members(cfgs, dataset)
-        check_fits(exps)
+        check_fits(exps, grid=cfg)
+        check_sweep(exps, cfg.sweep.key)
         ckpts = [Checkpointer(Path(c.run_dir) / "checkpoints", keep=c.keep_checkpoints)
                  for c in cfgs]
         try:
@@ -416,7 +501,8 @@ def continue_grid(run_dir: Path, cfg: CoreConfig, *, force: bool = False,
         states = _stack([e.table.restore(r.state) for e, r in zip(exps, restored, strict=True)])
         return _run_grid(run_dir, exps, ckpts, states, done,
                          [r.meta.get("test_accuracy_ema") for r in restored],
-                         progress=progress, log=log, callbacks=callbacks)
+                         progress=progress, log=log, callbacks=callbacks,
+                         key=cfg.sweep.key)
 
 
 def _restore_common(exps: list[Experiment], ckpts: list[Checkpointer], force: bool) -> list:

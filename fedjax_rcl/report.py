@@ -36,7 +36,7 @@ from pathlib import Path
 
 import yaml
 
-from fedjax_rcl.config import flat_keys
+from fedjax_rcl.config import flat_keys, grid_members
 
 # Keys that say nothing about what a run is.
 _IGNORED = {"run_dir", "rounds", "checkpoint_every", "keep_checkpoints", "eval_batch_size",
@@ -99,13 +99,16 @@ def _result_keys(config: dict) -> dict:
 
 
 def _grid_members(path: Path) -> list[Path]:
-    """The member directories of a grid (a run directory whose config has ``seeds``)."""
+    """The member directories of a grid (a run directory whose config has ``seeds`` or a
+    ``sweep``)."""
     try:
         config = yaml.safe_load((path / "config.yaml").read_text()) or {}
     except (OSError, yaml.YAMLError):
         return []
-    seeds = config.get("seeds") or []
-    return [path / f"seed-{s}" for s in seeds]
+    sweep = config.get("sweep") or {}
+    return [path / name for name, _, _ in grid_members(config.get("seeds") or [],
+                                                       sweep.get("key"),
+                                                       sweep.get("values") or [])]
 
 
 def load_runs(path: str | Path) -> list[Run]:

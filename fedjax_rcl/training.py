@@ -28,6 +28,7 @@ from fedjax_rcl.config import (
     CoreConfig,
     config_digest,
     degenerate_settings,
+    is_grid,
     legacy_config_digest,
 )
 from fedjax_rcl.data import ImageDataset
@@ -318,8 +319,9 @@ def train(cfg: CoreConfig, *, dataset: ImageDataset | None = None, progress: boo
     if runs_with != "train":
         raise ConfigError([f"algorithm={cfg.algorithm!r}: runs with 'fedjax-rcl {runs_with}' "
                            "(train runs the client algorithms)"])
-    if cfg.seeds:
-        raise ConfigError([f"seeds={list(cfg.seeds)}: several runs train with "
+    if is_grid(cfg):
+        raise ConfigError([f"seeds={list(cfg.seeds)}, sweep.key={cfg.sweep.key!r}: several "
+                           "runs train with "
                            "fedjax_rcl.grid.train_grid (or fedjax_rcl.api.train, "
                            "'fedjax-rcl train'), not training.train"])
     _join_cluster(cfg)

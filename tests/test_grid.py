@@ -157,3 +157,70 @@ def test_a_grid_that_cannot_fit_is_refused_before_compiling(tmp_path, monkeypatc
     assert "seeds=[0, 1, 2, 3, 4, 5, 6, 7]: 8 runs need about" in err
     assert "use fewer seeds" in err and "Traceback" not in err
     assert not run_dir.exists()
+
+
+def test_a_sweep_of_alpha_gives_each_member_its_own_split_and_its_run_alone(tmp_path):
+    """``alpha`` changes only the split (each member's data), so a member is its run alone,
+    bitwise."""
+    grid = fedjax_rcl.train(None, *GRID, "rounds=2", "alpha=[0.2,5]",
+                            f"run_dir={tmp_path / 'grid'}")
+    assert [m.run_dir.name for m in grid.members] == ["alpha-0.2", "alpha-5"]
+    assert [m.config.alpha for m in grid.members] == [0.2, 5.0]
+    assert _sizes(grid.members[0].run_dir) != _sizes(grid.members[1].run_dir)
+    for member in grid.members:
+        assert member.config.sweep.key is None and member.config.sweep.values == []
+        alone = fedjax_rcl.train(None, *GRID, "rounds=2", f"alpha={member.config.alpha}",
+                                 f"run_dir={tmp_path / ('alone-' + member.run_dir.name)}")
+        assert _rows(member.run_dir) == _rows(alone.run_dir)
+        for g, a in zip(_params(member.run_dir)[1], _params(alone.run_dir)[1], strict=True):
+            np.testing.assert_array_equal(np.asarray(g), np.asarray(a))
+
+
+def test_a_sweep_of_an_algorithm_setting_with_seeds_equals_each_run_alone(tmp_path):
+    """FedRCL's beta enters the one program as a traced value per run; each member agrees with
+    its run alone (where beta is a constant) within float reassociation, and the values and
+    seeds really differ."""
+    fedrcl = [*GRID, "algorithm=fedrcl", "lr=0.01"]
+    grid = fedjax_rcl.train(None, *fedrcl, "rounds=2", "fedrcl.beta=[0.5,3]", "seeds=[0,1]",
+                            f"run_dir={tmp_path / 'grid'}")
+    assert [m.run_dir.name for m in grid.members] == [
+        "fedrcl.beta-0.5-seed-0", "fedrcl.beta-0.5-seed-1", "fedrcl.beta-3-seed-0",
+        "fedrcl.beta-3-seed-1"]
+    for member in grid.members[::3]:  # beta 0.5 seed 0, beta 3 seed 1
+        c = member.config
+        alone = fedjax_rcl.train(None, *fedrcl, "rounds=2", f"fedrcl.beta={c.fedrcl.beta}",
+                                 f"seed={c.seed}", f"run_dir={tmp_path / member.run_dir.name}")
+        for x, y in zip(_rows(member.run_dir), _rows(alone.run_dir), strict=True):
+            assert x.keys() == y.keys()
+            for k in ("train_loss", "penalty", "test_loss", "test_accuracy"):
+                assert x[k] == pytest.approx(y[k], rel=1e-4, abs=1e-5), k
+        for g, a in zip(_params(member.run_dir)[1], _params(alone.run_dir)[1], strict=True):
+            np.testing.assert_allclose(np.asarray(g), np.asarray(a), rtol=1e-4, atol=1e-5)
+    losses = {m.run_dir.name: _rows(m.run_dir)[-1]["train_loss"] for m in grid.members}
+    assert len(set(losses.values())) == 4, losses
+    # An interrupted sweep resumes whole, as a grid of seeds does.
+    again = fedjax_rcl.resume(grid.run_dir, "rounds=3")
+    assert [[r["round"] for r in m.metrics] for m in again.members] == [[1, 2, 3]] * 4
+
+
+@pytest.mark.parametrize("bad, message", [
+    (["local_epochs=[1,2]"], "local_epochs=[1,2]: a list of values is a sweep, of one float "
+                             "setting"),
+    (["lr=[0.1,0.2]", "alpha=[1,2]"], "lr, alpha: lists for 2 settings"),
+    (["participation=[0.2,0.4]"], "sweep.key='participation': participation sets how many "
+                                  "clients a round trains"),
+    (["lr=[0.1,-1]"], "lr=-1: lr=-1.0: must be a finite number > 0"),
+    (["lr=[0.1,0.1]"], "sweep.values=[0.1, 0.1]: must not repeat a value"),
+    (["sweep.key=rounds", "sweep.values=[1,2]"], "sweep.key='rounds': must name a float "
+                                                  "setting, such as fedrcl.beta, alpha or lr "
+                                                  "(rounds is int)"),
+    (["clip_norm=[0,10]"], "sweep.key='clip_norm': the training program decides by the value "
+                           "of clip_norm in Python"),
+])
+def test_bad_sweeps_are_refused_before_the_run_starts(tmp_path, capsys, bad, message):
+    run_dir = tmp_path / "bad"
+    assert main(["train", "--no-progress", *GRID, "rounds=1", *bad,
+                 f"run_dir={run_dir}"]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+    assert not run_dir.exists()

@@ -52,7 +52,8 @@ def fedrcl(*, temperature: float = 0.05, threshold: float = 0.7, beta: float = 1
         del params, ctx
         feats = select_levels(out.features, levels)
         ce = cross_entropy(out.logits, batch.labels)
-        if beta == 0:  # FedSCL: build only the terms that count
+        # FedSCL: build only the terms that count (a traced beta, a grid's sweep, keeps all).
+        if isinstance(beta, (int, float)) and beta == 0:
             scl = jnp.mean(jnp.stack([
                 supcon_loss(f, batch.labels, temperature=temperature, mining=mining)
                 for f in feats
