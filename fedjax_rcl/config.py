@@ -490,7 +490,11 @@ RESUME_SAFE_KEYS = ("rounds", "checkpoint_every", "keep_checkpoints", "eval_batc
 # means): left out of the digest while they hold it, so that the runs' checkpoints still resume.
 DIGEST_NEUTRAL_DEFAULTS = {"mfcl.bn_statistics": "running", "init_threefry_partitionable": False,
                            "client_eval": False, "precision": "fp32", "seeds": [],
-                           "runs_in_parallel": 1, "sweep.key": None, "sweep.values": []}
+                           "runs_in_parallel": 1, "sweep.key": None, "sweep.values": [],
+                           "mfcl.probe": "lbfgs",
+                           "mfcl.probe_l2_grid": [1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 1e-1, 1.0, 10.0],
+                           "mfcl.probe_holdout": 0.1, "mfcl.probe_max_iter": 1000,
+                           "mfcl.probe_tol": 1e-5, "mfcl.probe_controls": True}
 
 
 def flat_keys(d: dict, prefix: str = "") -> dict:

@@ -7,14 +7,26 @@ import shutil
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 from fedjax_rcl.algorithms.mfcl import reconstruction_bce
 from fedjax_rcl.cli import main
 from fedjax_rcl.config import load_config
+from fedjax_rcl.experiment import build
 from fedjax_rcl.mfcl import phase2
-from fedjax_rcl.mfcl.probe import linear_probe
-from fedjax_rcl.mfcl.run import MFCL_DEFAULTS, resume_mfcl, run_mfcl
+from fedjax_rcl.mfcl.probe import lbfgs_probe
+from fedjax_rcl.mfcl.run import (
+    MFCL_DEFAULTS,
+    _probe,
+    client_encoder,
+    client_statistics,
+    mfcl_dataset,
+    represent_all,
+    resume_mfcl,
+    run_mfcl,
+)
+from fedjax_rcl.models.mfcl import ServerModel
 
 # A small run: 96 digits, 3 clients, 2 rounds of phase 1, 3 server epochs.
 TINY = ["dataset=digits", "mfcl.train_samples=96", "num_clients=3", "alpha=0.5", "rounds=2",
@@ -44,21 +56,6 @@ def test_sample_pool_and_dropout():
     assert len(phase2.kept_clients(key, 3, 0.999999)) == 1  # never nobody
 
 
-def test_linear_probe_separates_separable_classes():
-    rng = np.random.default_rng(1)
-    centres = rng.normal(size=(3, 8)) * 4
-    y = rng.integers(0, 3, 600)
-    x = centres[y] + rng.normal(size=(600, 8))
-    out = linear_probe(x[:500], y[:500], x[500:], y[500:], num_classes=3, epochs=20, lr=1e-2,
-                       batch_size=50, key=jax.random.PRNGKey(0))
-    assert out["linear_probe_accuracy"] > 0.95
-    # Labels unrelated to the features: test accuracy near chance (1/3).
-    shuffled = rng.permutation(y)
-    out = linear_probe(x[:500], shuffled[:500], x[500:], shuffled[500:], num_classes=3,
-                       epochs=20, lr=1e-2, batch_size=50, key=jax.random.PRNGKey(0))
-    assert out["linear_probe_accuracy"] < 0.55
-
-
 def _rows(run):
     """metrics.jsonl without its wall times."""
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
@@ -70,18 +67,27 @@ def finished(tmp_path_factory):
     """One uninterrupted tiny run (twin normalization)."""
     run = tmp_path_factory.mktemp("mfcl") / "run"
     cfg = load_config(None, [*TINY, f"run_dir={run}"], defaults=MFCL_DEFAULTS)
-    result = run_mfcl(cfg, log=lambda s: None)
-    return run, result
+    lines = []
+    result = run_mfcl(cfg, log=lines.append)
+    return run, result, lines
 
 
 @pytest.mark.slow
 def test_run_writes_both_phases_probe_and_resources(finished):
-    run, result = finished
+    run, result, lines = finished
     rows = _rows(run)
     assert [(r["phase"], r.get("round", r.get("epoch"))) for r in rows[:-1]] == [
         (1, 1), (1, 2), (2, 1), (2, 2), (2, 3)]
     assert rows[-1]["phase"] == "probe"
-    assert 0.0 <= rows[-1]["linear_probe_accuracy"] <= 1.0
+    probe = rows[-1]
+    for prefix in ("linear_probe_", "control_random_server_", "control_pixels_"):
+        assert 0.0 <= probe[f"{prefix}accuracy"] <= 1.0
+        assert 0.0 <= probe[f"{prefix}train_accuracy"] <= 1.0
+        assert probe[f"{prefix}converged"] and probe[f"{prefix}grad_max_abs"] < 1e-5
+        assert probe[f"{prefix}l2"] in probe[f"{prefix}l2_grid"]
+        assert len(probe[f"{prefix}heldout_accuracy"]) == 8  # the default grid, 1e-6 .. 10
+    assert any(line.startswith("linear probe accuracy") and "controls: random server network"
+               in line and "raw pixels" in line for line in lines)
     assert rows[-1] == {k: v for k, v in result.items() if k != "run_dir"}
     assert rows[1]["train_bce"] < rows[0]["train_bce"] or rows[1]["test_bce"] < rows[0]["test_bce"]
     resources = json.loads((run / "resources.json").read_text())
@@ -94,7 +100,7 @@ def test_run_writes_both_phases_probe_and_resources(finished):
 def test_resume_in_either_phase_is_identical(finished, tmp_path, cut):
     """A copy of the finished run cut back to phase 2 epoch 1 (or phase 1 round 1), as an
     interrupt would leave it, resumes to exactly the same metrics and probe."""
-    run, _ = finished
+    run, _, _ = finished
     copy = tmp_path / "run"
     shutil.copytree(run, copy)
     ck = copy / "checkpoints"
@@ -112,11 +118,15 @@ def test_resume_in_either_phase_is_identical(finished, tmp_path, cut):
 @pytest.mark.slow
 def test_command_line_runs_and_resumes(tmp_path, capsys):
     run = tmp_path / "run"
-    args = ["mfcl", *TINY, "mfcl.server_epochs=1", "norm=group", "mfcl.probe_epochs=1",
-            f"run_dir={run}"]
+    args = ["mfcl", *TINY, "mfcl.server_epochs=1", "norm=group", "mfcl.probe=adam",
+            "mfcl.probe_epochs=1", "mfcl.probe_controls=false", f"run_dir={run}"]
     assert main(args) == 0
     out = capsys.readouterr().out
     assert "linear probe accuracy" in out and "phase 2 epoch 1/1" in out
+    assert "controls" not in out
+    probe = _rows(run)[-1]
+    assert sorted(probe) == ["linear_probe_accuracy", "linear_probe_loss",  # Adam's
+                             "linear_probe_train_accuracy", "phase"]
     # resume of a finished MFCL run dispatches to MFCL and recomputes the same probe.
     before = _rows(run)
     assert main(["resume", str(run), "--no-progress"]) == 0
@@ -125,14 +135,23 @@ def test_command_line_runs_and_resumes(tmp_path, capsys):
 
 def test_bad_input_and_train_refuses_mfcl(tmp_path, capsys):
     assert main(["mfcl", "mfcl.rho=0", "mfcl.delta=1.5", "norm=layer",
-                 "mfcl.bn_statistics=mean", f"run_dir={tmp_path / 'x'}"]) == 2
+                 "mfcl.bn_statistics=mean", "mfcl.probe=sgd", "mfcl.probe_l2_grid=[]",
+                 "mfcl.probe_holdout=1.0", "mfcl.probe_tol=0", f"run_dir={tmp_path / 'x'}"]) == 2
     err = capsys.readouterr().err
     assert "mfcl.rho=0" in err and "mfcl.delta=1.5" in err and "norm" in err
-    assert "mfcl.bn_statistics='mean'" in err and "'running' or 'batch'" in err
-    assert main(["mfcl", "norm=twin", "mfcl.bn_statistics=batch",
-                 f"run_dir={tmp_path / 'x'}"]) == 2
-    assert "bn_statistics='batch' applies to a BatchNorm client module" in \
-        capsys.readouterr().err
+    lines = err.splitlines()
+    # One line each, naming the field, the value and what is allowed.
+    for want in ("mfcl.bn_statistics='mean': allowed: running, batch, client",
+                 "mfcl.probe='sgd': allowed: lbfgs, adam",
+                 "mfcl.probe_l2_grid=[]: must be a non-empty list of finite numbers > 0",
+                 "mfcl.probe_holdout=1.0: must be in [0, 1)",
+                 "mfcl.probe_tol=0"):
+        assert sum(want in line for line in lines) == 1, (want, err)
+    for mode in ("batch", "client"):
+        assert main(["mfcl", "norm=twin", f"mfcl.bn_statistics={mode}",
+                     f"run_dir={tmp_path / 'x'}"]) == 2
+        assert f"bn_statistics='{mode}' applies to a BatchNorm client module" in \
+            capsys.readouterr().err
     assert main(["train", "algorithm=mfcl", "model=mfcl_autoencoder", "norm=twin",
                  f"run_dir={tmp_path / 'y'}"]) == 2
     assert "fedjax-rcl mfcl" in capsys.readouterr().err
@@ -143,9 +162,6 @@ def test_batch_statistics_representations_are_each_clients_own_batches():
     """mfcl.bn_statistics=batch: a BatchNorm client module normalises each client's batches
     of batch_size pairs by their own statistics, never mixing clients; the default (running
     statistics) gives each sample's representation on its own."""
-    from fedjax_rcl.experiment import build
-    from fedjax_rcl.mfcl.run import client_encoder, mfcl_dataset, represent_all
-
     cfg = load_config(None, [*TINY, "norm=batch", "mfcl.bn_statistics=batch"],
                       defaults=MFCL_DEFAULTS)
     exp = build(cfg, mfcl_dataset(cfg))
@@ -179,3 +195,110 @@ def test_batch_statistics_representations_are_each_clients_own_batches():
     one = np.asarray(phase2.make_representations(running, paired=True, blur=False)(
         key, images[pool[:1, 0]], jnp.asarray(pool[:1])))
     np.testing.assert_allclose(alone[[0, p]], one, rtol=1e-4, atol=1e-4)
+
+
+def _client_module_reference(params, x, stats=None):
+    """MFCL's BatchNorm client module in float64 NumPy: (3x3 convolution, padding 1 -> BN ->
+    ReLU) x 2, 2x2 max-pool. Each BN normalises with ``stats[i] = (mean, var)``, or (None)
+    with the mean and biased variance of its input over all of ``x``. Returns the output and
+    the statistics used."""
+    x = np.asarray(x, np.float64)
+    used = []
+    for i in (1, 2):
+        k = np.asarray(params[f"conv{i}"]["kernel"], np.float64)
+        xp = np.pad(x, ((0, 0), (1, 1), (1, 1), (0, 0)))
+        h, w = x.shape[1:3]
+        y = sum(np.tensordot(xp[:, a:a + h, b:b + w], k[a, b], axes=1)
+                for a in range(3) for b in range(3))
+        mean, var = (y.mean((0, 1, 2)), y.var((0, 1, 2))) if stats is None else stats[i - 1]
+        bn = jax.tree.map(np.asarray, params[f"norm{i}"]["bn"])
+        x = np.maximum((y - mean) / np.sqrt(var + 1e-5) * bn["scale"] + bn["bias"], 0.0)
+        used.append((mean, var))
+    n, h, w, c = x.shape
+    return x.reshape(n, h // 2, 2, w // 2, 2, c).max((2, 4)), used
+
+
+def test_client_statistics_normalise_each_clients_representations_with_its_own():
+    """mfcl.bn_statistics=client: a client's representations are BatchNorm's evaluation form
+    with the statistics of all the views it sends (both draws of rho=2, across chunks), layer
+    by layer -- a NumPy client module normalising with its own data's statistics; the same
+    image gets another representation from another client."""
+    cfg = load_config(None, [*TINY, "norm=batch", "mfcl.bn_statistics=client", "num_clients=2",
+                             "mfcl.train_samples=32"], defaults=MFCL_DEFAULTS)
+    exp = build(cfg, mfcl_dataset(cfg))
+    encode = client_encoder(exp)(exp.state.params, exp.state.model_state)
+    params = exp.state.params["client"]
+    kept = np.arange(cfg.num_clients)
+    pool = phase2.sample_pool(exp.parts, kept, rho=2)
+    sizes = [len(exp.parts[k]) for k in kept]
+    assert min(sizes) > 8  # several chunks of 8 pairs per client and draw
+    reps = np.asarray(represent_all(exp, encode, pool, sizes * 2, chunk=8, owners=[0, 1] * 2))
+    p = len(pool)
+    images = jnp.asarray(exp.dataset.train_images)
+    key = jax.random.PRNGKey(cfg.seed)
+
+    def views(rows):  # the augmented view pairs (no encoder), in padded chunks of 8 pairs
+        firsts, seconds = [], []
+        for s in range(0, len(rows), 8):
+            b = rows[s:s + 8]
+            r = np.concatenate([b, np.repeat(b[-1:], 8 - len(b), 0)])
+            v = np.asarray(encode.compiled("views", False)(key, images[r[:, 0]],
+                                                           jnp.asarray(r)))
+            firsts.append(v[:len(b)])
+            seconds.append(v[8:8 + len(b)])
+        return np.concatenate(firsts + seconds)
+
+    starts = np.cumsum([0, *sizes * 2])
+    own = []
+    for c in kept:
+        at = np.concatenate([np.arange(starts[c], starts[c + 1]),
+                             np.arange(starts[c + 2], starts[c + 3])])  # both draws
+        rows = pool[at]
+        x = views(rows)
+        want, stats = _client_module_reference(params, x)
+        np.testing.assert_allclose(reps[at], want[:len(at)], rtol=1e-4, atol=2e-4)
+        np.testing.assert_allclose(reps[p + at], want[len(at):], rtol=1e-4, atol=2e-4)
+        got = client_statistics(exp, encode, rows, chunk=8)
+        for (mean, var), name in zip(stats, ("norm1", "norm2"), strict=True):
+            np.testing.assert_allclose(got[name]["bn"]["mean"], mean, rtol=1e-4, atol=1e-5)
+            np.testing.assert_allclose(got[name]["bn"]["var"], var, rtol=1e-4, atol=1e-5)
+        own.append((got, stats))
+    # The same images (client 0's first 8 view pairs) with the statistics of client 0 and of
+    # client 1: two representations, each the NumPy one.
+    x = views(pool[:8])
+    out = [np.asarray(encode.compiled("encode")(jnp.asarray(x), own[c][0])) for c in (0, 1)]
+    for c in (0, 1):
+        want, _ = _client_module_reference(params, x, own[c][1])
+        np.testing.assert_allclose(out[c], want, rtol=1e-4, atol=2e-4)
+    assert np.abs(out[0] - out[1]).max() > 1e-2
+    # The running statistics (the default) give yet another representation.
+    assert np.abs(np.asarray(encode(jnp.asarray(x), True)) - out[0]).max() > 1e-2
+
+
+def test_probe_controls_are_the_same_probe_on_a_random_server_and_on_pixels():
+    """The probe record holds the probe of the server's features and, with the same probe
+    and held-out split, the controls: a server network initialised from the control's key
+    (here the probed server is that same network, so both probes agree) and the raw pixels."""
+    cfg = load_config(None, [*TINY, "mfcl.probe_l2_grid=[0.01,1.0]"], defaults=MFCL_DEFAULTS)
+    exp = build(cfg, mfcl_dataset(cfg))
+    encode = client_encoder(exp)(exp.state.params, exp.state.model_state)
+    model = ServerModel(width=4, projection_dim=16, conv_impl=cfg.conv_impl)
+    root = jax.random.PRNGKey(cfg.seed)
+    state = phase2.init_server_training(model, jax.random.fold_in(root, 16), (16, 16, 64),
+                                        optax.identity())
+    out = _probe(exp, encode, model, state, chunk=128)
+    trained = {k[len("linear_probe_"):]: v for k, v in out.items()
+               if k.startswith("linear_probe_")}
+    assert trained["l2_grid"] == [0.01, 1.0] and trained["converged"]
+    assert trained == {k[len("control_random_server_"):]: v for k, v in out.items()
+                       if k.startswith("control_random_server_")}
+    ds = exp.dataset
+    n, nt = len(ds.train_images), len(ds.test_images)
+    pixels = lbfgs_probe(ds.train_images.reshape(n, -1), ds.train_labels,
+                         ds.test_images.reshape(nt, -1), ds.test_labels,
+                         num_classes=ds.num_classes, l2_grid=[0.01, 1.0], holdout=0.1,
+                         max_iter=1000, tol=1e-5, key=jax.random.fold_in(root, 15),
+                         scale=1 / 255, prefix="control_pixels_")
+    assert {k: out[k] for k in pixels} == pixels
+    assert set(out) == set(pixels) | {f"linear_probe_{k}" for k in trained} | {
+        f"control_random_server_{k}" for k in trained}

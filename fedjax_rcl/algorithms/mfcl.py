@@ -27,13 +27,19 @@ import optax
 
 from fedjax_rcl import registry
 from fedjax_rcl.engine.algorithm import ClientAlgorithm
-from fedjax_rcl.validation import CheckContext, finite
+from fedjax_rcl.validation import CheckContext, finite, one_of
 
 
 def reconstruction_bce(logits: jax.Array, images: jax.Array) -> jax.Array:
     """Mean binary cross-entropy of ``sigmoid(logits)`` against pixels ``images`` in [0, 1]
     (any shape; numerically stable form, optax's ``sigmoid_binary_cross_entropy``)."""
     return optax.sigmoid_binary_cross_entropy(logits, images).mean()
+
+
+# The default penalties of the L-BFGS probe, 1e-6 to 10 in decades.
+PROBE_L2_GRID = (1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 1e-1, 1.0, 10.0)
+PROBES = ("lbfgs", "adam")
+BN_STATISTICS = ("running", "batch", "client")
 
 
 @dataclasses.dataclass
@@ -59,15 +65,41 @@ class MfclConfig:
       projection_dim: the output size of the server's projection head.
       temperature: the NT-Xent temperature.
       blur: Gaussian blur among the augmentations (MFCL uses it for Tiny-ImageNet).
-      probe_epochs: epochs of Adam of the linear probe on frozen features.
-      probe_lr: the probe's learning rate.
-      probe_batch_size: the probe's batch size.
+      probe: the linear probe on the frozen features (``fedjax_rcl.mfcl.probe``):
+        ``lbfgs``, L2-penalised multinomial logistic regression solved to convergence by
+        full-batch L-BFGS, its penalty chosen on held-out training rows; ``adam``, no penalty,
+        Adam for ``probe_epochs`` epochs (not converged).
+      probe_l2_grid: the penalties lambda (of ``lambda / 2 * ||W||^2``) the ``lbfgs`` probe
+        chooses from by held-out accuracy; one value: no selection.
+      probe_holdout: the fraction of the training set held out to choose lambda (seeded by
+        ``seed``); the chosen probe is refitted on the whole training set.
+      probe_max_iter: the ``lbfgs`` probe's iteration limit per fit.
+      probe_tol: the ``lbfgs`` probe stops when the largest entry of the objective's gradient
+        is below this.
+      probe_controls: also probe, in the same run and with the same probe, a randomly
+        initialised server network on the same client-module outputs and the raw pixels:
+        the baselines the trained features must beat.
+      probe_epochs: epochs of Adam of the ``adam`` probe.
+      probe_lr: the ``adam`` probe's learning rate.
+      probe_batch_size: the ``adam`` probe's batch size.
       train_samples: train on a random subset of this many training samples (seeded by
         ``seed``); 0: all.
-      bn_statistics: how a BatchNorm client module (``norm=batch``) computes the phase-2
-        representations: ``running``, its evaluation form (each sample on its own, as TN and
-        GN are batch-independent); ``batch``, as in training, each client normalising batches
-        of ``batch_size`` of its own view pairs by their statistics.
+      bn_statistics: which statistics a BatchNorm client module (``norm=batch``) normalises
+        the phase-2 representations with. ``running``: the running statistics of the
+        federated model (averaged by the server with the weights), BatchNorm's evaluation
+        form, each sample on its own (as TN and GN are batch-independent). This is the form
+        MFCL describes: it does not name the statistics, but writes a client's
+        representations as a function of the final federated parameters alone,
+        ``z = f_theta_T(x)`` (its Algorithm 1), which a BatchNorm module is in its evaluation
+        form with the running statistics among those parameters (as FedAvg over a Keras
+        model's weights averages them; MFCL's implementation is TensorFlow). ``batch``: as in
+        training, each client normalising batches of ``batch_size`` of its own view pairs by
+        their statistics (MFCL's "contrastive client representation mini-batches" read as
+        batches in BatchNorm's training form). ``client``: each client's own population
+        statistics, the mean and variance of each BatchNorm input over all the views it
+        sends, layer by layer with the final phase-1 weights, as a client recomputing
+        BatchNorm's statistics on its own data before sending would: free of the batch
+        composition of ``batch`` and of the other clients' data in ``running``.
     """
 
     group_size: int = 32
@@ -81,6 +113,12 @@ class MfclConfig:
     projection_dim: int = 128
     temperature: float = 0.5
     blur: bool = False
+    probe: str = "lbfgs"
+    probe_l2_grid: list[float] = dataclasses.field(default_factory=lambda: list(PROBE_L2_GRID))
+    probe_holdout: float = 0.1
+    probe_max_iter: int = 1000
+    probe_tol: float = 1e-5
+    probe_controls: bool = True
     probe_epochs: int = 30
     probe_lr: float = 1e-3
     probe_batch_size: int = 256
@@ -97,12 +135,12 @@ class MfclConfig:
         if not (finite(self.delta) and 0 <= self.delta < 1):
             p.append(f"delta={self.delta!r}: must be in [0, 1)")
         for name in ("server_epochs", "server_batch_size", "projection_dim", "probe_epochs",
-                     "probe_batch_size"):
+                     "probe_batch_size", "probe_max_iter"):
             if getattr(self, name) < 1:
                 p.append(f"{name}={getattr(self, name)!r}: must be >= 1")
         if self.server_width < 2 or self.server_width % 2:
             p.append(f"server_width={self.server_width!r}: must be an even number >= 2")
-        for name in ("server_lr", "temperature", "probe_lr"):
+        for name in ("server_lr", "temperature", "probe_lr", "probe_tol"):
             v = getattr(self, name)
             if not (finite(v) and v > 0):
                 p.append(f"{name}={v!r}: must be a finite number > 0")
@@ -110,11 +148,18 @@ class MfclConfig:
             p.append(f"server_weight_decay={self.server_weight_decay!r}: must be >= 0")
         if self.train_samples < 0:
             p.append(f"train_samples={self.train_samples!r}: must be >= 0 (0: all)")
-        if self.bn_statistics not in ("running", "batch"):
-            p.append(f"bn_statistics={self.bn_statistics!r}: allowed 'running' or 'batch'")
-        elif self.bn_statistics == "batch" and ctx.algorithm == "mfcl" and ctx.norm != "batch":
-            p.append(f"bn_statistics='batch' applies to a BatchNorm client module; norm="
-                     f"{ctx.norm!r} has no batch statistics (set norm=batch or leave it out)")
+        one_of(p, "probe", self.probe, PROBES)
+        grid = list(self.probe_l2_grid)
+        if not grid or not all(finite(v) and v > 0 for v in grid):
+            p.append(f"probe_l2_grid={grid!r}: must be a non-empty list of finite numbers > 0")
+        if not (finite(self.probe_holdout) and 0 <= self.probe_holdout < 1):
+            p.append(f"probe_holdout={self.probe_holdout!r}: must be in [0, 1)")
+        one_of(p, "bn_statistics", self.bn_statistics, BN_STATISTICS)
+        if (self.bn_statistics in BN_STATISTICS and self.bn_statistics != "running"
+                and ctx.algorithm == "mfcl" and ctx.norm != "batch"):
+            p.append(f"bn_statistics={self.bn_statistics!r} applies to a BatchNorm client "
+                     f"module; norm={ctx.norm!r} has no batch statistics (set norm=batch or "
+                     "leave it out)")
         if ctx.algorithm == "mfcl" and ctx.model != "mfcl_autoencoder":
             p.append(f"model={ctx.model!r}: MFCL's phase 1 trains model=mfcl_autoencoder")
         return p
@@ -153,5 +198,5 @@ registry.register_algorithm(
     "mfcl", lambda settings, model: mfcl_reconstruction(), config=MfclConfig, num_views=2,
     model_kwargs=lambda s: {"group_size": s.group_size}, command="mfcl")
 
-__all__ = ["MfclConfig", "adam_client_optimizer", "mfcl_reconstruction",
-           "reconstruction_bce"]
+__all__ = ["BN_STATISTICS", "PROBES", "PROBE_L2_GRID", "MfclConfig", "adam_client_optimizer",
+           "mfcl_reconstruction", "reconstruction_bce"]

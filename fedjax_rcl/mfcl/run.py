@@ -8,8 +8,9 @@ of the engine's compiled rounds (``experiment.build`` with ``algorithm=mfcl``,
 server epochs, one compiled program each (``mfcl.phase2``); then the probe (``mfcl.probe``).
 The run directory holds ``config.yaml``, ``metrics.jsonl`` (a line per phase-1 evaluation
 ``{"phase": 1, "round", ...}``, per server epoch ``{"phase": 2, "epoch", ...}`` and the
-probe's ``{"phase": "probe", "linear_probe_accuracy", ...}``), ``checkpoints/phase1`` and
-``checkpoints/phase2`` (Orbax) and ``resources.json``.
+probe's, with its controls, ``{"phase": "probe", "linear_probe_accuracy", ...,
+"control_random_server_accuracy", ..., "control_pixels_accuracy", ...}``),
+``checkpoints/phase1`` and ``checkpoints/phase2`` (Orbax) and ``resources.json``.
 """
 
 from __future__ import annotations
@@ -17,12 +18,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 from fedjax_rcl import interrupts, provenance
 from fedjax_rcl.algorithms.mfcl import reconstruction_bce
@@ -44,7 +46,7 @@ from fedjax_rcl.loop import (
 )
 from fedjax_rcl.metrics.resources import format_resources, mfcl_resources
 from fedjax_rcl.mfcl import phase2
-from fedjax_rcl.mfcl.probe import linear_probe
+from fedjax_rcl.mfcl.probe import adam_probe, lbfgs_probe
 from fedjax_rcl.models.mfcl import ClientModule, ServerModel
 from fedjax_rcl.rundir import atomic_write_text
 from fedjax_rcl.validation import ConfigError
@@ -59,7 +61,9 @@ MFCL_DEFAULTS = {
     "momentum": 0.0, "weight_decay": 0.0, "clip_norm": 0.0, "aggregation": "size",
     "checkpoint_every": 5,
 }
-_PROBE_STREAM = 15
+# Streams of the run's root key besides phase 2's (``mfcl.phase2``): the probe's held-out split
+# (and the Adam probe's batch order), and the random server network of the control probe.
+_PROBE_STREAM, _CONTROL_STREAM = 15, 16
 
 
 def mfcl_dataset(cfg: CoreConfig, dataset: ImageDataset | None = None) -> ImageDataset:
@@ -103,31 +107,144 @@ def _batch_dependent(cfg: CoreConfig) -> bool:
     return cfg.norm == "batch" and cfg.mfcl.bn_statistics == "batch"
 
 
+def _client_statistics_mode(cfg: CoreConfig) -> bool:
+    """Whether each client normalises its phase-2 representations with its own BatchNorm
+    statistics (``mfcl.bn_statistics=client``)."""
+    return cfg.norm == "batch" and cfg.mfcl.bn_statistics == "client"
+
+
+class ClientEncoder:
+    """The frozen client module of a phase-1 model: ``encode(x, paired, batch_stats=None)``.
+
+    ``paired`` (a client computing its view pairs) makes Twin Normalization take rows i and
+    i + K together and, with ``mfcl.bn_statistics=batch``, BatchNorm use the statistics of the
+    batch ``x``. ``batch_stats`` (``mfcl.bn_statistics=client``) replaces the model's running
+    statistics with a client's own (``client_statistics``); BatchNorm then computes in its
+    evaluation form with those.
+
+    Which statistics MFCL's BatchNorm client module uses for the representations is not
+    stated in the paper: it writes them ``z = f_theta_T(x)``, a function of the final
+    federated parameters alone, which is the evaluation form with the averaged running
+    statistics (``running``, the default) when those statistics count among the parameters,
+    as they do for a Keras model averaged by FedAvg (MFCL's implementation is TensorFlow).
+    ``batch`` and ``client`` are the two other readings (``MfclConfig.bn_statistics``).
+
+    Attributes:
+      module: the ``ClientModule``.
+      variables: its variables (``params`` and, for BatchNorm, ``batch_stats``).
+      norm: the client module's normalisation.
+      bn_layers: the names of its normalisation layers, in order, each after the convolution
+        ``conv{i}`` of the same index.
+    """
+
+    bn_layers = ("norm1", "norm2")
+
+    def __init__(self, exp: Experiment, params, model_state):
+        ae = exp.model.module
+        self.module = ClientModule(ae.norm, ae.group_size, ae.conv_impl)
+        self.norm = exp.cfg.norm
+        self._batch_stats = _batch_dependent(exp.cfg)
+        self._compiled: dict = {}
+        # The autoencoder's "client" submodule's variables, every collection.
+        self.variables = {"params": params["client"],
+                          **{k: v["client"] for k, v in model_state.items()}}
+
+    def __call__(self, x: jax.Array, paired: bool, batch_stats=None) -> jax.Array:
+        if batch_stats is not None:  # a client's own statistics, BatchNorm's evaluation form
+            return self.module.apply({**self.variables, "batch_stats": batch_stats}, x,
+                                     train=False)
+        # Twin Normalization: the client computes each pair's representations together;
+        # GroupNorm, and BatchNorm by default, use their evaluation form (running
+        # statistics), which depends on no other sample.
+        if paired and self._batch_stats:  # training form; the running statistics stay frozen
+            return self.module.apply(self.variables, x, train=True,
+                                     mutable=["batch_stats"])[0]
+        return self.module.apply(self.variables, x, train=paired and self.norm == "twin")
+
+    def norm_input_moments(self, x: jax.Array, mask: jax.Array, batch_stats, layer: int
+                           ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """``(count, mean [C], M2 [C])`` of the input of BatchNorm layer ``layer`` (1-based:
+        the output of ``conv{layer}``) over the rows of ``x [2N, H, W, 3]`` whose pair is
+        marked in ``mask [N]`` (rows i and i + N), the earlier layers normalised with
+        ``batch_stats``; ``M2`` is the sum of squared deviations from ``mean``."""
+        name = f"conv{layer}"
+        _, state = self.module.apply(
+            {**self.variables, "batch_stats": batch_stats}, x, train=False,
+            capture_intermediates=lambda mdl, method: mdl.name == name,
+            mutable=["intermediates"])
+        y = state["intermediates"][name]["__call__"][0]
+        m = jnp.concatenate([mask, mask]).astype(y.dtype)[:, None, None, None]
+        count = jnp.sum(m) * y.shape[1] * y.shape[2]
+        mean = jnp.sum(y * m, axis=(0, 1, 2)) / count
+        return count, mean, jnp.sum(jnp.square(y - mean) * m, axis=(0, 1, 2))
+
+    def compiled(self, what: str, arg=None):
+        """This encoder's functions for ``mfcl.bn_statistics=client``, each compiled once:
+        ``("views", blur)``: ``(key, images, pool) -> views [2N, H, W, 3]`` (the augmented
+        view pairs, ``phase2.make_representations`` with no encoder); ``("moments",
+        layer)``: ``(views, mask, batch_stats) -> norm_input_moments``; ``("encode",)``:
+        ``(views, batch_stats) -> representations``. The augmentations compile once, not
+        once per function."""
+        if (what, arg) not in self._compiled:
+            if what == "views":
+                fn = phase2.make_representations(lambda x, paired: x, paired=True, blur=arg)
+            elif what == "moments":
+                def fn(x, mask, batch_stats):
+                    return self.norm_input_moments(x, mask, batch_stats, arg)
+            else:
+                def fn(x, batch_stats):
+                    return self(x, True, batch_stats)
+            self._compiled[what, arg] = jax.jit(fn)
+        return self._compiled[what, arg]
+
+
 def client_encoder(exp: Experiment):
-    """The frozen client module of a phase-1 model: ``(params, model_state) -> encode(x,
-    paired)`` where ``paired`` (a client computing its view pairs) makes Twin Normalization
-    take rows i and i + K together and, with ``mfcl.bn_statistics=batch``, BatchNorm use the
-    statistics of the batch ``x``."""
-    ae = exp.model.module
-    client = ClientModule(ae.norm, ae.group_size, ae.conv_impl)
-    batch_stats = _batch_dependent(exp.cfg)
+    """``(params, model_state) -> ClientEncoder``: the frozen client module of a phase-1
+    model (``ClientEncoder``)."""
 
     def make(params, model_state):
-        # The autoencoder's "client" submodule's variables, every collection.
-        variables = {"params": params["client"],
-                     **{k: v["client"] for k, v in model_state.items()}}
-
-        def encode(x, paired):
-            # Twin Normalization: the client computes each pair's representations together;
-            # GroupNorm, and BatchNorm by default, use their evaluation form (running
-            # statistics), which depends on no other sample.
-            if paired and batch_stats:  # training form; the running statistics stay frozen
-                return client.apply(variables, x, train=True, mutable=["batch_stats"])[0]
-            return client.apply(variables, x, train=paired and exp.cfg.norm == "twin")
-
-        return encode
+        return ClientEncoder(exp, params, model_state)
 
     return make
+
+
+def _padded(rows: np.ndarray, chunk: int) -> tuple[np.ndarray, jax.Array]:
+    """``rows`` (at most ``chunk``) padded to ``chunk`` by repeating the last, and the mask
+    of the real ones."""
+    m = len(rows)
+    return (np.concatenate([rows, np.repeat(rows[-1:], chunk - m, 0)]),
+            jnp.asarray(np.arange(chunk) < m))
+
+
+def client_statistics(exp: Experiment, encode: ClientEncoder, rows: np.ndarray,
+                      chunk: int = 250) -> dict:
+    """A client's own BatchNorm statistics (``mfcl.bn_statistics=client``): for each BatchNorm
+    layer of the client module in turn, the mean and (biased) variance of its input over all
+    the views of the client's pool ``rows [n, 2]`` (both views of each, as it sends them),
+    the earlier layers normalised with the statistics already computed -- the population
+    statistics BatchNorm's running averages estimate, of this client's data alone, with the
+    final phase-1 weights. Chunks of ``chunk`` pairs, combined exactly (Chan et al.'s
+    pairwise update of the mean and the sum of squared deviations, in float64).
+
+    Returns the client module's ``batch_stats`` collection with those statistics."""
+    key = jax.random.PRNGKey(exp.cfg.seed)
+    images = jnp.asarray(exp.dataset.train_images)
+    views = encode.compiled("views", exp.cfg.mfcl.blur)
+    stats = jax.tree.map(jnp.asarray, encode.variables["batch_stats"])
+    for i, name in enumerate(encode.bn_layers, 1):
+        moments = encode.compiled("moments", i)
+        n, mean, m2 = 0.0, 0.0, 0.0
+        for s in range(0, len(rows), chunk):
+            block, mask = _padded(rows[s:s + chunk], chunk)
+            x = views(key, images[block[:, 0]], jnp.asarray(block))
+            nb, mb, m2b = (np.asarray(v, np.float64) for v in moments(x, mask, stats))
+            total = n + nb
+            delta = mb - mean
+            mean, m2 = mean + delta * (nb / total), m2 + m2b + delta ** 2 * (n * nb / total)
+            n = total
+        stats = {**stats, name: {"bn": {"mean": jnp.asarray(mean, jnp.float32),
+                                        "var": jnp.asarray(m2 / n, jnp.float32)}}}
+    return stats
 
 
 def _phase1(exp: Experiment, run_dir: Path, state, done: int, sink: Sink, log,
@@ -178,23 +295,52 @@ def _phase1(exp: Experiment, run_dir: Path, state, done: int, sink: Sink, log,
         ckpt.close()
 
 
+def _represent_with_own_statistics(exp: Experiment, encode: ClientEncoder, pool: np.ndarray,
+                                   bounds: list, owners: list, chunk: int) -> jax.Array:
+    """``represent_all`` with ``mfcl.bn_statistics=client``: each client's statistics over
+    all of its runs (``bounds`` of the pool, ``owners`` the client of each), then its runs
+    normalised with them in padded chunks of ``chunk`` pairs."""
+    images = jnp.asarray(exp.dataset.train_images)
+    key = jax.random.PRNGKey(exp.cfg.seed)
+    views, apply = encode.compiled("views", exp.cfg.mfcl.blur), encode.compiled("encode")
+    firsts, seconds, stats = [], [], {}
+    for (start, end), c in zip(bounds, owners, strict=True):
+        if c not in stats and end > start:
+            rows = [pool[s:e] for (s, e), o in zip(bounds, owners, strict=True) if o == c]
+            stats[c] = client_statistics(exp, encode, np.concatenate(rows), chunk)
+        for s in range(start, end, chunk):
+            m = min(chunk, end - s)
+            rows, _ = _padded(pool[s:s + m], chunk)
+            r = apply(views(key, images[rows[:, 0]], jnp.asarray(rows)), stats[c])
+            firsts.append(r[:m])
+            seconds.append(r[chunk:chunk + m])
+    return jnp.concatenate(firsts + seconds)
+
+
 def represent_all(exp: Experiment, encode, pool: np.ndarray, segments: list[int],
-                   chunk: int = 250) -> jax.Array:
+                   chunk: int = 250, owners: Sequence[int] | None = None) -> jax.Array:
     """The representation pairs the kept clients send: ``[2P, h, w, c]``, first views then
     second views (row i and row i + P a pair).
 
-    ``segments`` are the lengths of the pool's per-client runs (in pool order). A client
-    module whose output depends on the batch (``mfcl.bn_statistics=batch``) is run on each
-    client's own batches of ``batch_size`` pairs, as the client would; any other in padded
-    chunks of ``chunk`` pairs across clients (one compiled shape; the same result)."""
+    ``segments`` are the lengths of the pool's per-client runs (in pool order), ``owners``
+    the client of each (None: each its own; a client with several draws, ``rho > 1``, owns
+    several). A client module whose output depends on the batch (``mfcl.bn_statistics=
+    batch``) is run on each client's own batches of ``batch_size`` pairs, as the client
+    would; with ``mfcl.bn_statistics=client`` each client's runs are normalised with its own
+    statistics (``client_statistics`` over all of its runs), in padded chunks of ``chunk``
+    pairs of one client; any other in padded chunks of ``chunk`` pairs across clients (one
+    compiled shape; the same result)."""
     cfg = exp.cfg.mfcl
+    starts = np.cumsum([0, *segments])
+    bounds = list(zip(starts[:-1], starts[1:], strict=True))
+    if _client_statistics_mode(exp.cfg):
+        owners = list(range(len(segments))) if owners is None else list(owners)
+        return _represent_with_own_statistics(exp, encode, pool, bounds, owners, chunk)
     represent = jax.jit(phase2.make_representations(encode, paired=True, blur=cfg.blur))
     images = jnp.asarray(exp.dataset.train_images)
     key = jax.random.PRNGKey(exp.cfg.seed)
     if _batch_dependent(exp.cfg):
-        starts = np.cumsum([0, *segments])
-        batches = [(s, min(s + exp.cfg.batch_size, end))
-                   for start, end in zip(starts[:-1], starts[1:], strict=True)
+        batches = [(s, min(s + exp.cfg.batch_size, end)) for start, end in bounds
                    for s in range(start, end, exp.cfg.batch_size)]
         pad = False  # a client's last batch is smaller (its own compiled shape)
     else:
@@ -222,7 +368,8 @@ def _phase2(exp: Experiment, run_dir: Path, encode, resuming: bool, sink: Sink, 
     log(f"phase 2: {len(kept)} of {cfg.num_clients} clients send {m.rho} view pair(s) per "
         f"sample: {len(pool)} representation pairs")
     t0 = time.perf_counter()
-    reps = represent_all(exp, encode, pool, [len(exp.parts[k]) for k in kept] * m.rho)
+    reps = represent_all(exp, encode, pool, [len(exp.parts[k]) for k in kept] * m.rho,
+                         owners=list(range(len(kept))) * m.rho)
     log(f"representations {tuple(reps.shape)} in {time.perf_counter() - t0:.1f} s")
     batch = min(m.server_batch_size, len(pool))
     steps = len(pool) // batch
@@ -277,35 +424,86 @@ def _phase2(exp: Experiment, run_dir: Path, encode, resuming: bool, sink: Sink, 
         ckpt.close()
 
 
+def _features(features, variables: dict, images: np.ndarray, chunk: int) -> np.ndarray:
+    """``float32 [N, 8w]``: ``features(variables, images)`` in padded chunks of ``chunk``
+    images (one compiled shape)."""
+    parts = []
+    for s in range(0, len(images), chunk):
+        block = images[s:s + chunk]
+        pad = chunk - len(block)
+        if pad:
+            block = np.concatenate([block, np.repeat(block[-1:], pad, 0)])
+        parts.append(np.asarray(features(variables, jnp.asarray(block)))[:chunk - pad])
+    return np.concatenate(parts)
+
+
 def _probe(exp: Experiment, encode, model, state, chunk: int = 500) -> dict:
-    """Linear probe on the frozen features (client module, then the server network; the
-    projection head is dropped, as SimCLR evaluates)."""
-    cfg = exp.cfg
-    variables = {"params": state.params, "batch_stats": state.batch_stats}
+    """The linear probe (``mfcl.probe``) on the frozen features: client module, then the
+    trained server network. With ``mfcl.probe_controls`` the same probe, on the same
+    held-out split, also on two controls, what the trained server's features have to beat
+    for phase 2 to have learnt anything: the features of a randomly initialised server
+    network of the same architecture on the same client-module outputs (keys
+    ``control_random_server_*``), and the raw pixels in [0, 1] (``control_pixels_*``).
+
+    The features are the server network's embeddings (the projection head dropped, as SimCLR
+    evaluates) of the client module's outputs in its evaluation form: a BatchNorm client
+    module uses its running statistics whatever ``mfcl.bn_statistics``, since the images
+    classified belong to no client (the test set)."""
+    cfg, m, ds = exp.cfg, exp.cfg.mfcl, exp.dataset
+    root = jax.random.PRNGKey(cfg.seed)
+    key = jax.random.fold_in(root, _PROBE_STREAM)
 
     @jax.jit
-    def features(images):
+    def features(variables, images):
         x = images.astype(jnp.float32) / 255.0
         embedding, _ = model.apply(variables, encode(x, False), train=False)
         return embedding
 
-    def all_features(images):
-        parts = []
-        for s in range(0, len(images), chunk):
-            block = images[s:s + chunk]
-            pad = chunk - len(block)
-            if pad:
-                block = np.concatenate([block, np.repeat(block[-1:], pad, 0)])
-            parts.append(np.asarray(features(jnp.asarray(block)))[:chunk - pad])
-        return np.concatenate(parts)
+    def probe(train_x, test_x, prefix, scale=1.0):
+        common = dict(num_classes=ds.num_classes, key=key, scale=scale, prefix=prefix)
+        if m.probe == "adam":
+            return adam_probe(train_x, ds.train_labels, test_x, ds.test_labels,
+                              epochs=m.probe_epochs, lr=m.probe_lr,
+                              batch_size=m.probe_batch_size, **common)
+        return lbfgs_probe(train_x, ds.train_labels, test_x, ds.test_labels,
+                           l2_grid=m.probe_l2_grid, holdout=m.probe_holdout,
+                           max_iter=m.probe_max_iter, tol=m.probe_tol, **common)
 
-    ds = exp.dataset
-    m = cfg.mfcl
-    return linear_probe(all_features(ds.train_images), ds.train_labels,
-                        all_features(ds.test_images), ds.test_labels,
-                        num_classes=ds.num_classes, epochs=m.probe_epochs, lr=m.probe_lr,
-                        batch_size=m.probe_batch_size,
-                        key=jax.random.fold_in(jax.random.PRNGKey(cfg.seed), _PROBE_STREAM))
+    def server_probe(variables, prefix):
+        return probe(_features(features, variables, ds.train_images, chunk),
+                     _features(features, variables, ds.test_images, chunk), prefix)
+
+    out = server_probe({"params": state.params, "batch_stats": state.batch_stats},
+                       "linear_probe_")
+    if m.probe_controls:
+        rep_shape = jax.eval_shape(lambda x: encode(x, False),
+                                   jax.ShapeDtypeStruct((1, *ds.image_shape), jnp.float32))
+        random = phase2.init_server_training(model, jax.random.fold_in(root, _CONTROL_STREAM),
+                                             rep_shape.shape[1:], optax.identity())
+        out.update(server_probe({"params": random.params, "batch_stats": random.batch_stats},
+                                "control_random_server_"))
+        n, nt = len(ds.train_images), len(ds.test_images)
+        out.update(probe(ds.train_images.reshape(n, -1), ds.test_images.reshape(nt, -1),
+                         "control_pixels_", scale=1 / 255))
+    return out
+
+
+def _describe_probe(probe: dict) -> str:
+    """The log line of the probe and its controls."""
+    def one(prefix):
+        line = (f"{probe[f'{prefix}accuracy']:.4f} (train "
+                f"{probe[f'{prefix}train_accuracy']:.4f}")
+        if f"{prefix}l2" in probe:
+            line += (f"; lambda {probe[f'{prefix}l2']:g}, {probe[f'{prefix}iterations']} "
+                     f"iterations, max|grad| {probe[f'{prefix}grad_max_abs']:.1e}"
+                     + ("" if probe[f"{prefix}converged"] else ", NOT CONVERGED"))
+        return line + ")"
+
+    line = f"linear probe accuracy {one('linear_probe_')}"
+    if "control_pixels_accuracy" in probe:
+        line += (f"; controls: random server network {one('control_random_server_')}, raw "
+                 f"pixels {one('control_pixels_')}")
+    return line
 
 
 def _resources(exp: Experiment) -> dict:
@@ -335,7 +533,8 @@ def _loop(exp: Experiment, run_dir: Path, state, done1: int, phase2_started: boo
         model, server = _phase2(exp, run_dir, encode, phase2_started, sink, log, callbacks)
         if server is None:
             return {"run_dir": str(run_dir), "stopped_early": True}
-        log("linear probe on the frozen features...")
+        log("linear probe on the frozen features"
+            + (" and the controls..." if exp.cfg.mfcl.probe_controls else "..."))
         probe = _probe(exp, encode, model, server)
         resources = _resources(exp)
         with interrupts.critical():
@@ -344,8 +543,7 @@ def _loop(exp: Experiment, run_dir: Path, state, done1: int, phase2_started: boo
         sink.write(record)
     finally:
         sink.close()
-    log(f"linear probe accuracy {probe['linear_probe_accuracy']:.4f} (train "
-        f"{probe['linear_probe_train_accuracy']:.4f})")
+    log(_describe_probe(probe))
     log(format_resources(resources))
     return {**record, "run_dir": str(run_dir)}
 
