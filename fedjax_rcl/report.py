@@ -155,8 +155,10 @@ def _label(run: Run, keys: Sequence[str]) -> str:
     return " ".join(parts) or "all runs"
 
 
-# Runs that differ only in these share a cell (seeds of one setting).
-_REPLICATE_KEYS = {"seed", "seeds"}
+# Runs that differ only in these share a cell (seeds of one setting). The threefry bit layout
+# of the initial weights is part of the random draw, as the seed is: it changes which weights
+# are drawn, not from which distribution.
+_REPLICATE_KEYS = {"seed", "seeds", "init_threefry_partitionable"}
 
 
 def group(runs: Sequence[Run]) -> tuple[list[str], list[str], dict]:

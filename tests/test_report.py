@@ -94,7 +94,8 @@ def _fake_run(path, config: str, accs):
 
 
 def test_seeds_share_a_cell_with_mean_sd_and_paired_differences(tmp_path, capsys):
-    """Three fedavg runs (separate directories) and a three-seed fedrcl grid: one row each,
+    """Three fedavg runs (separate directories, one with another init bit layout) and a
+    three-seed fedrcl grid: one row each,
     mean ± sd over the seeds, and the paired per-seed difference from fedavg (NumPy
     reference); the curves get bands."""
     import numpy as np
@@ -102,7 +103,9 @@ def test_seeds_share_a_cell_with_mean_sd_and_paired_differences(tmp_path, capsys
     rng = np.random.default_rng(0)
     avg, rcl = {}, {}
     for s in (0, 1, 2):
-        avg[s] = _fake_run(tmp_path / f"avg-{s}", f"algorithm: fedavg\nseed: {s}\n",
+        # The init's bit layout is part of the random draw: seed 0 has another, same cell.
+        layout = "init_threefry_partitionable: true\n" if s == 0 else ""
+        avg[s] = _fake_run(tmp_path / f"avg-{s}", f"algorithm: fedavg\nseed: {s}\n{layout}",
                            rng.uniform(0.1, 0.5, 4))
     grid = tmp_path / "grid"
     grid.mkdir()
