@@ -244,18 +244,22 @@ def fmt(v) -> str:
     return str(v)
 
 
+def _embeddings(results: list[dict]):
+    """``(run result, variant name, metrics)`` of each run's embedding variants."""
+    for r in results:
+        for name in ("emb", "emb/l2"):
+            if name in r["variants"]:
+                yield r, name, r["variants"][name]
+
+
 def markdown(results: list[dict]) -> str:
     lines = ["### Embedding (what the analysis sees) and its L2-normalised rows", "",
              "| run | round | acc | top_class | features | " + " | ".join(EMB_METRICS) + " |",
              "|---" * (5 + len(EMB_METRICS)) + "|"]
-    for r in results:
-        for name in ("emb", "emb/l2"):
-            if name not in r["variants"]:
-                continue
-            m = r["variants"][name]
-            lines.append(f"| {r['run']} | {fmt(r['round'])} | {fmt(r['accuracy'])} | "
-                         f"{fmt(r['top_class'])} | {name} | "
-                         + " | ".join(fmt(m.get(k)) for k in EMB_METRICS) + " |")
+    for r, name, m in _embeddings(results):
+        lines.append(f"| {r['run']} | {fmt(r['round'])} | {fmt(r['accuracy'])} | "
+                     f"{fmt(r['top_class'])} | {name} | "
+                     + " | ".join(fmt(m.get(k)) for k in EMB_METRICS) + " |")
     lines += ["", "### FedRCL's levels (pre-ReLU, mean-pooled; /l2: rows normalised)", "",
               "| run | round | level | " + " | ".join(LEVEL_METRICS) + " |",
               "|---" * (3 + len(LEVEL_METRICS)) + "|"]
@@ -269,15 +273,11 @@ def markdown(results: list[dict]) -> str:
               "variance along the mean direction)", "",
               "| run | round | features | mean norm | total var | top-5 eigenvalue shares | "
               "mean-direction share |", "|---" * 7 + "|"]
-    for r in results:
-        for name in ("emb", "emb/l2"):
-            if name not in r["variants"]:
-                continue
-            m = r["variants"][name]
-            lines.append(f"| {r['run']} | {fmt(r['round'])} | {name} | {fmt(m['mean_norm'])} | "
-                         f"{fmt(m['total_var'])} | "
-                         + ", ".join(f"{v:.3f}" for v in m["eig_top5"])
-                         + f" | {fmt(m['mean_dir_var'])} |")
+    for r, name, m in _embeddings(results):
+        lines.append(f"| {r['run']} | {fmt(r['round'])} | {name} | {fmt(m['mean_norm'])} | "
+                     f"{fmt(m['total_var'])} | "
+                     + ", ".join(f"{v:.3f}" for v in m["eig_top5"])
+                     + f" | {fmt(m['mean_dir_var'])} |")
     return "\n".join(lines) + "\n"
 
 

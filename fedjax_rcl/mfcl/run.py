@@ -217,7 +217,7 @@ def _padded(rows: np.ndarray, chunk: int) -> tuple[np.ndarray, jax.Array]:
 
 
 def client_statistics(exp: Experiment, encode: ClientEncoder, rows: np.ndarray,
-                      chunk: int = 250) -> dict:
+                      chunk: int = 250, images: jax.Array | None = None) -> dict:
     """A client's own BatchNorm statistics (``mfcl.bn_statistics=client``): for each BatchNorm
     layer of the client module in turn, the mean and (biased) variance of its input over all
     the views of the client's pool ``rows [n, 2]`` (both views of each, as it sends them),
@@ -226,9 +226,11 @@ def client_statistics(exp: Experiment, encode: ClientEncoder, rows: np.ndarray,
     final phase-1 weights. Chunks of ``chunk`` pairs, combined exactly (Chan et al.'s
     pairwise update of the mean and the sum of squared deviations, in float64).
 
+    ``images``: the training images already on the device (default: put there now).
+
     Returns the client module's ``batch_stats`` collection with those statistics."""
     key = jax.random.PRNGKey(exp.cfg.seed)
-    images = jnp.asarray(exp.dataset.train_images)
+    images = jnp.asarray(exp.dataset.train_images) if images is None else images
     views = encode.compiled("views", exp.cfg.mfcl.blur)
     stats = jax.tree.map(jnp.asarray, encode.variables["batch_stats"])
     for i, name in enumerate(encode.bn_layers, 1):
@@ -307,7 +309,7 @@ def _represent_with_own_statistics(exp: Experiment, encode: ClientEncoder, pool:
     for (start, end), c in zip(bounds, owners, strict=True):
         if c not in stats and end > start:
             rows = [pool[s:e] for (s, e), o in zip(bounds, owners, strict=True) if o == c]
-            stats[c] = client_statistics(exp, encode, np.concatenate(rows), chunk)
+            stats[c] = client_statistics(exp, encode, np.concatenate(rows), chunk, images)
         for s in range(start, end, chunk):
             m = min(chunk, end - s)
             rows, _ = _padded(pool[s:s + m], chunk)
@@ -429,11 +431,8 @@ def _features(features, variables: dict, images: np.ndarray, chunk: int) -> np.n
     images (one compiled shape)."""
     parts = []
     for s in range(0, len(images), chunk):
-        block = images[s:s + chunk]
-        pad = chunk - len(block)
-        if pad:
-            block = np.concatenate([block, np.repeat(block[-1:], pad, 0)])
-        parts.append(np.asarray(features(variables, jnp.asarray(block)))[:chunk - pad])
+        block, _ = _padded(images[s:s + chunk], chunk)
+        parts.append(np.asarray(features(variables, jnp.asarray(block)))[:len(images) - s])
     return np.concatenate(parts)
 
 
