@@ -75,6 +75,10 @@ def parser() -> argparse.ArgumentParser:
     rep.add_argument("--baseline", metavar="METHOD",
                      help="also each method's paired difference from this one (its label in "
                      "the table, e.g. fedavg), seed by seed, mean ± sd over the seeds")
+    rep.add_argument("--window", type=int, default=25, metavar="ROUNDS",
+                     help="with --baseline: also count, seed by seed, the rounds among the "
+                     "last ROUNDS up to each reported one in which a method's raw accuracy is "
+                     "above the baseline's (default: 25)")
     m = sub.add_parser("mfcl", help="MFCL: federated client-module training, the server's "
                        "contrastive training on the clients' representations, linear probe")
     _config_args(m)
@@ -174,7 +178,7 @@ def _command(argv: list[str] | None) -> int:
             from fedjax_rcl.report import ReportError, report
 
             try:
-                print(report(args.run_dirs, args.out, args.at, args.baseline))
+                print(report(args.run_dirs, args.out, args.at, args.baseline, args.window))
             except ReportError as e:
                 return _fail(str(e), EXIT_USAGE)
             return 0

@@ -207,10 +207,31 @@ def _seed(run: Run):
     return run.config.get("seed")
 
 
-def paired(runs: Sequence[Run], baseline: str, at: Sequence[int]) -> str:
+def _accuracies(run: Run, first: int, last: int) -> dict[int, float]:
+    return {x["round"]: x["test_accuracy"] for x in run.rows if first <= x["round"] <= last}
+
+
+def within_run(run: Run, base: Run, r: int, window: int) -> tuple[int, int, float] | None:
+    """Rounds ``r - window + 1 .. r`` evaluated in both runs: ``(k, n, mean)``, the number
+    ``k`` of the ``n`` rounds in which ``run``'s raw test accuracy is above ``base``'s and
+    the mean raw difference over them (None: no round in common, or ``r`` not reached). Raw
+    accuracies, not the EMA, whose values from one round to the next are not independent."""
+    if run.ema_at(r) is None or base.ema_at(r) is None:
+        return None
+    a, b = _accuracies(run, r - window + 1, r), _accuracies(base, r - window + 1, r)
+    common = sorted(set(a) & set(b))
+    if not common:
+        return None
+    d = [a[i] - b[i] for i in common]
+    return sum(x > 0 for x in d), len(d), sum(d) / len(d)
+
+
+def paired(runs: Sequence[Run], baseline: str, at: Sequence[int], window: int = 25) -> str:
     """Each method's paired difference from ``baseline`` (a method label), seed by seed:
     ``mean ± sd (n)`` of ``EMA(method, seed) - EMA(baseline, seed)`` at each round of ``at``,
-    over the seeds both reached it with."""
+    over the seeds both reached it with; then the within-run statistic over the ``window``
+    rounds up to each (``within_run``): per seed, the rounds in which the method's raw
+    accuracy is higher, and the mean raw difference over the window, mean ± sd over seeds."""
     methods, settings, cells = group(runs)
     if baseline not in methods:
         raise ReportError(f"--baseline {baseline!r}: not a method of these runs; methods: "
@@ -232,6 +253,30 @@ def paired(runs: Sequence[Run], baseline: str, at: Sequence[int]) -> str:
                 if diffs:
                     mean, sd = _mean_sd(diffs)
                     row.append(f"{mean:+.4f} ± {sd:.4f} (n={len(diffs)})")
+                else:
+                    row.append("—")
+            lines.append(f"| {m} | " + " | ".join(row) + " |")
+        lines.append("")
+        lines += [f"Within the runs, rounds {max(1, r - window + 1)}-{r} (raw test accuracy, "
+                  f"same seed): rounds in which the method is above {baseline}, seed by seed "
+                  "(seed: rounds above / rounds compared), and the mean raw difference over "
+                  "those rounds, mean ± sd over the seeds:", "",
+                  "| method | " + " | ".join(settings) + " |",
+                  "|---" * (len(settings) + 1) + "|"]
+        for m in methods:
+            if m == baseline:
+                continue
+            row = []
+            for s in settings:
+                base = {_seed(x): x for x in cells.get((baseline, s), [])}
+                hits = [(_seed(x), within_run(x, base[_seed(x)], r, window))
+                        for x in cells.get((m, s), []) if _seed(x) in base]
+                hits = sorted(((k, v) for k, v in hits if v is not None),
+                              key=lambda kv: str(kv[0]))
+                if hits:
+                    mean, sd = _mean_sd([v[2] for _, v in hits])
+                    row.append(", ".join(f"s{k}: {v[0]}/{v[1]}" for k, v in hits)
+                               + f"; {mean:+.4f} ± {sd:.4f}")
                 else:
                     row.append("—")
             lines.append(f"| {m} | " + " | ".join(row) + " |")
@@ -387,9 +432,12 @@ def client_spread(runs: Sequence[Run], r: int, window: int = 10) -> str:
 
 
 def report(run_dirs: Sequence[str | Path], out: str | Path, at: Sequence[int] = (),
-           baseline: str | None = None) -> Path:
+           baseline: str | None = None, window: int = 25) -> Path:
     """Writes ``report.md`` and the figures for ``run_dirs`` into ``out``; returns its path.
-    ``baseline``: a method's label; adds the paired differences from it (seed by seed)."""
+    ``baseline``: a method's label; adds the paired differences from it (seed by seed) and,
+    over the ``window`` rounds up to each reported round, the within-run comparison."""
+    if window < 1:
+        raise ReportError(f"--window {window}: must be a number of rounds >= 1")
     runs = [run for p in run_dirs for run in load_runs(p)]
     if not runs:
         raise ReportError("no run directories given")
@@ -399,7 +447,7 @@ def report(run_dirs: Sequence[str | Path], out: str | Path, at: Sequence[int] = 
     out.mkdir(parents=True, exist_ok=True)
     figures = _plots(runs, out)
     spread = "\n".join(x for x in (client_spread(runs, r) for r in at) if x)
-    diffs = paired(runs, baseline, at) if baseline else ""
+    diffs = paired(runs, baseline, at, window) if baseline else ""
     text = ("# Report\n\n" + table(runs, at) + (f"\n{diffs}\n" if diffs else "")
             + (f"\n{spread}" if spread else "")
             + "\nFigures: " + ", ".join(f"`{p.name}`" for p in figures) + "\n")

@@ -129,3 +129,39 @@ def test_seeds_share_a_cell_with_mean_sd_and_paired_differences(tmp_path, capsys
     assert main(["report", *dirs, "--out", str(out), "--baseline", "fedprox"]) == 2
     assert "--baseline 'fedprox': not a method of these runs; methods: fedavg, fedrcl" in (
         capsys.readouterr().err)
+
+
+def test_within_run_counts_rounds_above_the_baseline_over_the_window(tmp_path, capsys):
+    """The within-run statistic: per seed, the rounds of the window in which the method's raw
+    accuracy is above the baseline's, and the mean raw difference, mean ± sd over the seeds
+    (NumPy reference); a round only one run evaluated is not compared; bad windows refused."""
+    import numpy as np
+
+    rng = np.random.default_rng(1)
+    acc = {(m, s): rng.uniform(0.1, 0.6, 6) for m in ("fedavg", "fedrcl") for s in (0, 1, 2)}
+    acc["fedrcl", 2][1] = acc["fedavg", 2][1] + 0.25  # outside the window: must not count
+    dirs = []
+    for (m, s), a in acc.items():
+        _fake_run(tmp_path / f"{m}-{s}", f"algorithm: {m}\nseed: {s}\n", a)
+        dirs.append(str(tmp_path / f"{m}-{s}"))
+    # Seed 1's baseline skipped the evaluation of round 5: four rounds compared, not five.
+    base = tmp_path / "fedavg-1" / "metrics.jsonl"
+    base.write_text("".join(x + "\n" for x in base.read_text().splitlines()
+                            if json.loads(x)["round"] != 5))
+    out = tmp_path / "rep"
+    assert main(["report", *dirs, "--out", str(out), "--baseline", "fedavg", "--at", "6",
+                 "--window", "5"]) == 0
+    text = (out / "report.md").read_text()
+    cells, means = [], []
+    for s in (0, 1, 2):
+        rounds = [r for r in range(2, 7) if not (s == 1 and r == 5)]
+        d = np.array([acc["fedrcl", s][r - 1] - acc["fedavg", s][r - 1] for r in rounds])
+        cells.append(f"s{s}: {int((d > 0).sum())}/{len(rounds)}")
+        means.append(d.mean())
+    m = np.array(means)
+    assert "Within the runs, rounds 2-6" in text
+    assert f"| fedrcl | {', '.join(cells)}; {m.mean():+.4f} ± {m.std(ddof=1):.4f} |" in text
+    capsys.readouterr()
+    assert main(["report", *dirs, "--out", str(out), "--baseline", "fedavg",
+                 "--window", "0"]) == 2
+    assert "--window 0: must be a number of rounds >= 1" in capsys.readouterr().err
