@@ -190,6 +190,12 @@ def _mean_sd(values: Sequence[float]) -> tuple[float, float]:
             statistics.stdev(values) if len(values) > 1 else 0.0)
 
 
+def _pm(values: Sequence[float], sign: str = "") -> str:
+    """``mean ± sd`` of several values; one value alone (its sd is not defined)."""
+    mean, sd = _mean_sd(values)
+    return f"{mean:{sign}.4f}" + (f" ± {sd:.4f}" if len(values) > 1 else "")
+
+
 def _cell(hit: Sequence[Run], r: int) -> str:
     """One run: ``ema (best)``; several seeds: ``mean ± sd (best mean ± sd; n)`` over those
     that reached round ``r``."""
@@ -199,8 +205,8 @@ def _cell(hit: Sequence[Run], r: int) -> str:
     reached = [(e, b) for e, b in vals if e is not None]
     if not reached:
         return "—"
-    (e, e_sd), (b, b_sd) = _mean_sd([e for e, _ in reached]), _mean_sd([b for _, b in reached])
-    return f"{e:.4f} ± {e_sd:.4f} ({b:.4f} ± {b_sd:.4f}; n={len(reached)})"
+    e, b = _pm([e for e, _ in reached]), _pm([b for _, b in reached])
+    return f"{e} ({b}; n={len(reached)})"
 
 
 def _seed(run: Run):
@@ -251,8 +257,7 @@ def paired(runs: Sequence[Run], baseline: str, at: Sequence[int], window: int = 
                 diffs = [x.ema_at(r) - base[_seed(x)] for x in cells.get((m, s), [])
                          if x.ema_at(r) is not None and base.get(_seed(x)) is not None]
                 if diffs:
-                    mean, sd = _mean_sd(diffs)
-                    row.append(f"{mean:+.4f} ± {sd:.4f} (n={len(diffs)})")
+                    row.append(f"{_pm(diffs, '+')} (n={len(diffs)})")
                 else:
                     row.append("—")
             lines.append(f"| {m} | " + " | ".join(row) + " |")
@@ -274,9 +279,8 @@ def paired(runs: Sequence[Run], baseline: str, at: Sequence[int], window: int = 
                 hits = sorted(((k, v) for k, v in hits if v is not None),
                               key=lambda kv: str(kv[0]))
                 if hits:
-                    mean, sd = _mean_sd([v[2] for _, v in hits])
                     row.append(", ".join(f"s{k}: {v[0]}/{v[1]}" for k, v in hits)
-                               + f"; {mean:+.4f} ± {sd:.4f}")
+                               + f"; {_pm([v[2] for _, v in hits], '+')}")
                 else:
                     row.append("—")
             lines.append(f"| {m} | " + " | ".join(row) + " |")

@@ -144,6 +144,9 @@ def test_within_run_counts_rounds_above_the_baseline_over_the_window(tmp_path, c
     for (m, s), a in acc.items():
         _fake_run(tmp_path / f"{m}-{s}", f"algorithm: {m}\nseed: {s}\n", a)
         dirs.append(str(tmp_path / f"{m}-{s}"))
+    moon = rng.uniform(0.1, 0.6, 6)  # one seed only: no sd to show
+    moon_ema = _fake_run(tmp_path / "moon-0", "algorithm: moon\nseed: 0\n", moon)
+    dirs.append(str(tmp_path / "moon-0"))
     # Seed 1's baseline skipped the evaluation of round 5: four rounds compared, not five.
     base = tmp_path / "fedavg-1" / "metrics.jsonl"
     base.write_text("".join(x + "\n" for x in base.read_text().splitlines()
@@ -161,7 +164,28 @@ def test_within_run_counts_rounds_above_the_baseline_over_the_window(tmp_path, c
     m = np.array(means)
     assert "Within the runs, rounds 2-6" in text
     assert f"| fedrcl | {', '.join(cells)}; {m.mean():+.4f} ± {m.std(ddof=1):.4f} |" in text
+    d0 = moon[1:] - acc["fedavg", 0][1:]
+    assert f"| moon | s0: {int((d0 > 0).sum())}/5; {d0.mean():+.4f} |" in text
+    base0 = [json.loads(x) for x in (tmp_path / "fedavg-0" / "metrics.jsonl").read_text()
+             .splitlines()][-1]["test_accuracy_ema"]
+    assert f"| moon | {moon_ema - base0:+.4f} (n=1) |" in text
+    assert f"| moon | {moon_ema:.4f} ({moon.max():.4f}) |" in text
     capsys.readouterr()
     assert main(["report", *dirs, "--out", str(out), "--baseline", "fedavg",
                  "--window", "0"]) == 2
     assert "--window 0: must be a number of rounds >= 1" in capsys.readouterr().err
+
+
+def test_a_cell_one_seed_reached_shows_no_sd(tmp_path):
+    """Three seeds of which one reached the round: the value alone, n=1, no '± 0.0000'."""
+    from fedjax_rcl.report import load_run, table
+
+    runs = [load_run(_fake_run_dir(tmp_path / f"s{s}", s, [0.3] * (6 if s == 0 else 3)))
+            for s in (0, 1, 2)]
+    text = table(runs, [6])
+    assert "| fedavg | 0.3000 (0.3000; n=1) |" in text
+
+
+def _fake_run_dir(path, seed, accs):
+    _fake_run(path, f"algorithm: fedavg\nseed: {seed}\n", accs)
+    return path
