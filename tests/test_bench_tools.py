@@ -52,3 +52,42 @@ def test_fit_layout_reads_the_table_and_refits_the_threshold():
     assert r10["default"] == "one-at-a-time"
     assert r10["ratio"][5] == pytest.approx(14 / 14.5)  # the Python loop was best
     assert "| resnet10:16 |" in markdown(result)
+
+
+def test_mfcl_bn_evidence_measures_against_loops():
+    """tools/mfcl_bn_evidence.py's measures against explicit loops on random data: class
+    composition per client, the distance of a client's BN statistics from the running ones,
+    the between-client share of the sum of squares, the per-channel spatial summary."""
+    import numpy as np
+
+    sys.path.insert(0, str(ROOT / "tools"))
+    from mfcl_bn_evidence import between_share, class_composition, statistics_distance, summarise
+
+    rng = np.random.default_rng(0)
+    labels = rng.integers(0, 4, 60)
+    parts = [np.arange(0, 25), np.arange(25, 26), np.arange(26, 60)]
+    got = class_composition(labels, parts, 4)
+    for info, idx in zip(got, parts, strict=True):
+        counts = [int(np.sum(labels[idx] == k)) for k in range(4)]
+        assert info["n"] == len(idx)
+        assert info["classes"] == sum(c > 0.01 * len(idx) for c in counts)
+        assert info["majority_share"] == max(counts) / len(idx)
+    mc, mr = rng.normal(size=8), rng.normal(size=8)
+    vc, vr = rng.uniform(0.1, 3, 8), rng.uniform(0.1, 3, 8)
+    shift, logv = statistics_distance(mc, vc, mr, vr)
+    want = [abs(mc[i] - mr[i]) / vr[i] ** 0.5 for i in range(8)]
+    assert shift == pytest.approx(sum(want) / 8, rel=1e-12)
+    want = [abs(np.log(vc[i] / vr[i])) for i in range(8)]
+    assert logv == pytest.approx(sum(want) / 8, rel=1e-12)
+    x, g = rng.normal(size=(30, 5)), rng.integers(0, 3, 30)
+    m = x.mean(0)
+    between = sum(np.sum(g == k) * np.sum((x[g == k].mean(0) - m) ** 2) for k in range(3))
+    within = sum(np.sum((x[i] - x[g == g[i]].mean(0)) ** 2) for i in range(30))
+    assert between_share(x, g) == pytest.approx(between / (between + within), rel=1e-10)
+    assert between_share(x, np.zeros(30, int)) == pytest.approx(0.0, abs=1e-12)
+    z = rng.normal(size=(3, 4, 5, 2))
+    s = summarise(z)
+    for i in range(3):
+        for c in range(2):
+            assert s[i, c] == pytest.approx(z[i, :, :, c].mean())
+            assert s[i, 2 + c] == pytest.approx(z[i, :, :, c].std())
