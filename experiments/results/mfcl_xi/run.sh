@@ -2,8 +2,8 @@
 # MFCL's Table 2 claim at CPU scale (issue 30): TN, GN and BN client modules (BN with the
 # statistics the paper describes, the averaged running ones: mfcl.bn_statistics=running) at
 # Dirichlet xi = 0.01 for seeds 0, 1, 2 and at xi = 200 for seed 0
-# (experiments/mfcl/cpu_cifar10_xi.yaml), in the order that answers the question first, then
-# the table (table.md). A stopped run resumes where it stopped (either phase); a finished one
+# (experiments/mfcl/cpu_cifar10_xi.yaml), in the order that answers the question first; BN's
+# two other readings at xi = 0.01; then the table (table.md). A stopped run resumes where it stopped (either phase); a finished one
 # is skipped.
 #   RUNS="batch-xi0.01-s0 twin-xi0.01-s0" bash experiments/results/mfcl_xi/run.sh   # some
 set -euo pipefail
@@ -12,13 +12,28 @@ ALL="batch-xi0.01-s0 twin-xi0.01-s0 group-xi0.01-s0
      batch-xi0.01-s1 twin-xi0.01-s1 group-xi0.01-s1
      batch-xi0.01-s2 twin-xi0.01-s2 group-xi0.01-s2
      batch-xi200-s0 twin-xi200-s0 group-xi200-s0"
-for name in ${RUNS:-$ALL}; do
+# The two other readings of BN (mfcl.bn_statistics=client, =batch) at xi = 0.01: phase 1 does
+# not depend on the reading, so each branches from the BN run's finished phase 1 (a copy of
+# the run directory without its phase-2 checkpoints, resumed with the reading changed) and
+# trains only its own phase 2 and probe.
+BRANCHES="bnclient-xi0.01-s0 bnbatch-xi0.01-s0 bnclient-xi0.01-s1 bnbatch-xi0.01-s1
+          bnclient-xi0.01-s2 bnbatch-xi0.01-s2"
+R=experiments/runs/mfcl_xi
+finished() { [ -f "$1/metrics.jsonl" ] && grep -q '"phase": "probe"' "$1/metrics.jsonl"; }
+for name in ${RUNS:-$ALL $BRANCHES}; do
   norm=${name%%-xi*}; rest=${name#*-xi}; xi=${rest%-s*}; seed=${rest##*-s}
-  dir=experiments/runs/mfcl_xi/$name
-  if [ -f "$dir/metrics.jsonl" ] && grep -q '"phase": "probe"' "$dir/metrics.jsonl"; then
+  dir=$R/$name
+  if finished "$dir"; then
     continue
   elif [ -f "$dir/config.yaml" ]; then
     fedjax-rcl resume "$dir" --no-progress
+  elif [ "$norm" = bnclient ] || [ "$norm" = bnbatch ]; then
+    src=$R/batch-xi$xi-s$seed
+    finished "$src" || { echo "$name: waits for $src"; continue; }
+    cp -a "$src" "$dir" && rm -rf "$dir/checkpoints/phase2"
+    echo "# branched from $src after its phase 1 (cp -a, phase-2 checkpoints removed)" \
+      >> "$dir/commands.txt"
+    fedjax-rcl resume "$dir" "mfcl.bn_statistics=${norm#bn}" --force --no-progress
   else
     fedjax-rcl mfcl experiments/mfcl/cpu_cifar10_xi.yaml norm="$norm" alpha="$xi" seed="$seed" \
       run_dir="$dir" --no-progress

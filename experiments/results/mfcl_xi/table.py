@@ -10,7 +10,9 @@ import statistics
 from pathlib import Path
 
 RUNS = Path("experiments/runs/mfcl_xi")
-NORMS = (("twin", "TN"), ("group", "GN"), ("batch", "BN"))
+MAIN = (("twin", "TN"), ("group", "GN"), ("batch", "BN"))
+# BN's other readings of the phase-2 statistics (branched from the BN run's phase 1).
+NORMS = (*MAIN, ("bnclient", "BN, client statistics"), ("bnbatch", "BN, batch statistics"))
 XIS = ("0.01", "200")
 # MFCL (Motamedi & Kim, TMLR), Table 2, CIFAR-10, M = 10, ResNet-18: linear evaluation top-1 %.
 PAPER = {("twin", "0.01"): 84.1, ("group", "0.01"): 79.3, ("batch", "0.01"): 15.3,
@@ -85,7 +87,7 @@ def main():
             if acc:
                 means[xi][label] = statistics.mean(acc)
             n = f" (n={len(acc)})" if acc else ""
-            cells += [f"{PAPER[norm, xi]}", mean_sd(acc) + n]
+            cells += [f"{PAPER.get((norm, xi), '—')}", mean_sd(acc) + n]
             if xi == "0.01":
                 cells.append(mean_sd([p["linear_probe_train_accuracy"] for p in hit]))
             cells += [mean_sd([p[f"{c}accuracy"] for p in hit if f"{c}accuracy" in p])
@@ -93,13 +95,15 @@ def main():
         lines.append("| " + " | ".join(cells) + " |")
     lines.append("")
     for xi in XIS:
-        paper = {label: PAPER[norm, xi] for norm, label in NORMS}
-        ours = order(means[xi]) if len(means[xi]) == len(NORMS) else "incomplete"
+        paper = {label: PAPER[norm, xi] for norm, label in MAIN}
+        ours = {label: means[xi][label] for _, label in MAIN if label in means[xi]}
+        ours = order(ours) if len(ours) == len(MAIN) else "incomplete"
         lines.append(f"- Order at xi = {xi}: paper {order(paper)}; ours {ours} (by the mean).")
     lines += ["", "Paired differences at xi = 0.01, seed by seed (same seed: same subset, split "
               "and augmentations), mean ± sd over seeds; shown only where |mean| > 2 sd:", "",
               "| difference | per seed | mean ± sd | shown |", "|---|---|---|---|"]
-    for (a, la), (b, lb) in itertools.combinations(NORMS, 2):
+    for (a, la), (b, lb) in [*itertools.combinations(MAIN, 2),
+                             *(((n, lab), ("batch", "BN")) for n, lab in NORMS[len(MAIN):])]:
         d = [done[a, "0.01", s]["probe"]["linear_probe_accuracy"]
              - done[b, "0.01", s]["probe"]["linear_probe_accuracy"]
              for s in seeds if (a, "0.01", s) in done and (b, "0.01", s) in done]
