@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Issue 29 item 4: the representation analysis to round 100 on the fidelity setting (alpha
+# 0.3, seed 0): FedAvg, FedSCL, FedRCL with the reference loss and in the paper's form; the
+# global model's and the next round's first client's local model's penultimate features on
+# 1,000 class-balanced test images every 5 rounds (effective rank, VCI and the measures that
+# keep the mean: experiments/results/rank_under_collapse.md). Resumes a stopped run.
+set -eu
+cd "$(dirname "$0")/../.."
+for spec in "fedavg algorithm=fedavg" "fedscl algorithm=fedscl" "fedrcl algorithm=fedrcl" \
+            "fedrcl-paper algorithm=fedrcl fedrcl.mining=none"; do
+  set -- $spec
+  name=$1; shift
+  dir=experiments/runs/analysis_cpu_r100/$name
+  if [ -f "$dir/config.yaml" ]; then
+    python -m fedjax_rcl resume "$dir" --no-progress
+  else
+    python -m fedjax_rcl train experiments/cifar10_resnet10w16.yaml "$@" alpha=0.3 rounds=100 \
+        analysis_every=5 checkpoint_every=5 run_dir="$dir" --no-progress
+  fi
+done
