@@ -8,19 +8,17 @@
 #   RUNS="batch-xi0.01-s0 twin-xi0.01-s0" bash experiments/results/mfcl_xi/run.sh   # some
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
-ALL="batch-xi0.01-s0 twin-xi0.01-s0 group-xi0.01-s0
-     batch-xi0.01-s1 twin-xi0.01-s1 group-xi0.01-s1
-     batch-xi0.01-s2 twin-xi0.01-s2 group-xi0.01-s2
+# bnclient / bnbatch: the two other readings of BN (mfcl.bn_statistics=client, =batch) at
+# xi = 0.01. Phase 1 does not depend on the reading, so each branches from the BN run's
+# finished phase 1 (a copy of the run directory without its phase-2 checkpoints, resumed with
+# the reading changed) and trains only its own phase 2 and probe.
+ALL="batch-xi0.01-s0 bnclient-xi0.01-s0 bnbatch-xi0.01-s0 twin-xi0.01-s0 group-xi0.01-s0
+     batch-xi0.01-s1 bnclient-xi0.01-s1 bnbatch-xi0.01-s1 twin-xi0.01-s1 group-xi0.01-s1
+     batch-xi0.01-s2 bnclient-xi0.01-s2 bnbatch-xi0.01-s2 twin-xi0.01-s2 group-xi0.01-s2
      batch-xi200-s0 twin-xi200-s0 group-xi200-s0"
-# The two other readings of BN (mfcl.bn_statistics=client, =batch) at xi = 0.01: phase 1 does
-# not depend on the reading, so each branches from the BN run's finished phase 1 (a copy of
-# the run directory without its phase-2 checkpoints, resumed with the reading changed) and
-# trains only its own phase 2 and probe.
-BRANCHES="bnclient-xi0.01-s0 bnbatch-xi0.01-s0 bnclient-xi0.01-s1 bnbatch-xi0.01-s1
-          bnclient-xi0.01-s2 bnbatch-xi0.01-s2"
 R=experiments/runs/mfcl_xi
 finished() { [ -f "$1/metrics.jsonl" ] && grep -q '"phase": "probe"' "$1/metrics.jsonl"; }
-for name in ${RUNS:-$ALL $BRANCHES}; do
+for name in ${RUNS:-$ALL}; do
   norm=${name%%-xi*}; rest=${name#*-xi}; xi=${rest%-s*}; seed=${rest##*-s}
   dir=$R/$name
   if finished "$dir"; then
