@@ -22,7 +22,11 @@ phase-1 client module) and measures, on the run's own training subset and split:
    probe's top-1 for the class on those summaries (train on 80 % of the images, test on the
    other 20 %, each normalised as its client sends it), (b) the share of the summaries'
    variance that lies between clients (``sum_c n_c |m_c - m|^2 / sum_i |x_i - m|^2``).
-   A client module without BatchNorm has one reading (its own output).
+   A client module without BatchNorm has one reading (its own output). Read (a) with care
+   under ``client`` and ``batch``: the summaries then also carry each client's own
+   normalisation, and where a client holds one class (xi = 0.01) that identifies the class
+   too, so (a) is what the server could read off the representations it is sent, not what a
+   probe on images of no client (the test set) can use.
 
 Usage: ``python tools/mfcl_bn_evidence.py RUN_DIR... [--out FILE.json]`` (prints a table).
 """
