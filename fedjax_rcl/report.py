@@ -242,49 +242,42 @@ def paired(runs: Sequence[Run], baseline: str, at: Sequence[int], window: int = 
     if baseline not in methods:
         raise ReportError(f"--baseline {baseline!r}: not a method of these runs; methods: "
                           + ", ".join(methods))
+    def block(title: str, cell) -> list[str]:
+        """A table of every method but the baseline by setting; ``cell(method_runs,
+        {seed: baseline_run})`` gives one entry, or None for none."""
+        out = [title, "", "| method | " + " | ".join(settings) + " |",
+               "|---" * (len(settings) + 1) + "|"]
+        for m in methods:
+            if m != baseline:
+                row = [cell(cells.get((m, s), []),
+                            {_seed(x): x for x in cells.get((baseline, s), [])})
+                       for s in settings]
+                out.append(f"| {m} | " + " | ".join(c or "—" for c in row) + " |")
+        return out + [""]
+
+    def ema_diff(hit, base, r):
+        diffs = [x.ema_at(r) - base[_seed(x)].ema_at(r) for x in hit
+                 if x.ema_at(r) is not None and _seed(x) in base
+                 and base[_seed(x)].ema_at(r) is not None]
+        return f"{_pm(diffs, '+')} (n={len(diffs)})" if diffs else None
+
+    def ahead(hit, base, r):
+        found = sorted(((_seed(x), within_run(x, base[_seed(x)], r, window)) for x in hit
+                        if _seed(x) in base), key=lambda kv: str(kv[0]))
+        found = [(k, v) for k, v in found if v is not None]
+        return (", ".join(f"s{k}: {v[0]}/{v[1]}" for k, v in found)
+                + f"; {_pm([v[2] for _, v in found], '+')}") if found else None
+
     lines = []
     for r in at:
-        lines += [f"Paired difference from {baseline} at round {r} (EMA test accuracy, same "
-                  "seed; mean ± sd over the seeds, n):", "",
-                  "| method | " + " | ".join(settings) + " |",
-                  "|---" * (len(settings) + 1) + "|"]
-        for m in methods:
-            if m == baseline:
-                continue
-            row = []
-            for s in settings:
-                base = {_seed(x): x.ema_at(r) for x in cells.get((baseline, s), [])}
-                diffs = [x.ema_at(r) - base[_seed(x)] for x in cells.get((m, s), [])
-                         if x.ema_at(r) is not None and base.get(_seed(x)) is not None]
-                if diffs:
-                    row.append(f"{_pm(diffs, '+')} (n={len(diffs)})")
-                else:
-                    row.append("—")
-            lines.append(f"| {m} | " + " | ".join(row) + " |")
-        lines.append("")
-        lines += [f"Within the runs, rounds {max(1, r - window + 1)}-{r} (raw test accuracy, "
-                  f"same seed): rounds in which the method is above {baseline}, seed by seed "
-                  "(seed: rounds above / rounds compared), and the mean raw difference over "
-                  "those rounds, mean ± sd over the seeds:", "",
-                  "| method | " + " | ".join(settings) + " |",
-                  "|---" * (len(settings) + 1) + "|"]
-        for m in methods:
-            if m == baseline:
-                continue
-            row = []
-            for s in settings:
-                base = {_seed(x): x for x in cells.get((baseline, s), [])}
-                hits = [(_seed(x), within_run(x, base[_seed(x)], r, window))
-                        for x in cells.get((m, s), []) if _seed(x) in base]
-                hits = sorted(((k, v) for k, v in hits if v is not None),
-                              key=lambda kv: str(kv[0]))
-                if hits:
-                    row.append(", ".join(f"s{k}: {v[0]}/{v[1]}" for k, v in hits)
-                               + f"; {_pm([v[2] for _, v in hits], '+')}")
-                else:
-                    row.append("—")
-            lines.append(f"| {m} | " + " | ".join(row) + " |")
-        lines.append("")
+        lines += block(f"Paired difference from {baseline} at round {r} (EMA test accuracy, "
+                       "same seed; mean ± sd over the seeds, n):",
+                       lambda hit, base, r=r: ema_diff(hit, base, r))
+        lines += block(f"Within the runs, rounds {max(1, r - window + 1)}-{r} (raw test "
+                       f"accuracy, same seed): rounds in which the method is above {baseline}, "
+                       "seed by seed (seed: rounds above / rounds compared), and the mean raw "
+                       "difference over those rounds, mean ± sd over the seeds:",
+                       lambda hit, base, r=r: ahead(hit, base, r))
     return "\n".join(lines)
 
 
