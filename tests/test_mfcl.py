@@ -174,7 +174,7 @@ def test_batch_statistics_representations_are_each_clients_own_batches():
     p = len(pool)
     assert reps.shape[0] == 2 * p
     # The expected batches, from the clients' parts: each client's draws, batch_size at a time.
-    represent = phase2.make_representations(encode, paired=True, blur=False)
+    represent = jax.jit(phase2.make_representations(encode, paired=True, blur=False))
     images = jnp.asarray(exp.dataset.train_images)
     key = jax.random.PRNGKey(cfg.seed)
     start = 0

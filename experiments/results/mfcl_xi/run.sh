@@ -2,9 +2,9 @@
 # MFCL's Table 2 claim at CPU scale (issue 30): TN, GN and BN client modules (BN with the
 # statistics the paper describes, the averaged running ones: mfcl.bn_statistics=running) at
 # Dirichlet xi = 0.01 for seeds 0, 1, 2 and at xi = 200 for seed 0
-# (experiments/mfcl/cpu_cifar10_xi.yaml), in the order that answers the question first; BN's
-# two other readings at xi = 0.01; then the table (table.md). A stopped run resumes where it stopped (either phase); a finished one
-# is skipped.
+# (experiments/mfcl/cpu_cifar10_xi.yaml), in the order that answers the question first (the
+# table's runs first, BN's two other readings for seeds 1 and 2 last); then the table
+# (table.md). A stopped run resumes where it stopped (either phase); a finished one is skipped.
 #   RUNS="batch-xi0.01-s0 twin-xi0.01-s0" bash experiments/results/mfcl_xi/run.sh   # some
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
@@ -13,9 +13,10 @@ cd "$(dirname "$0")/../../.."
 # finished phase 1 (a copy of the run directory without its phase-2 checkpoints, resumed with
 # the reading changed) and trains only its own phase 2 and probe.
 ALL="batch-xi0.01-s0 bnclient-xi0.01-s0 bnbatch-xi0.01-s0 twin-xi0.01-s0 group-xi0.01-s0
-     batch-xi0.01-s1 bnclient-xi0.01-s1 bnbatch-xi0.01-s1 twin-xi0.01-s1 group-xi0.01-s1
-     batch-xi0.01-s2 bnclient-xi0.01-s2 bnbatch-xi0.01-s2 twin-xi0.01-s2 group-xi0.01-s2
-     batch-xi200-s0 twin-xi200-s0 group-xi200-s0"
+     batch-xi0.01-s1 twin-xi0.01-s1 group-xi0.01-s1
+     batch-xi0.01-s2 twin-xi0.01-s2 group-xi0.01-s2
+     batch-xi200-s0 twin-xi200-s0 group-xi200-s0
+     bnclient-xi0.01-s1 bnbatch-xi0.01-s1 bnclient-xi0.01-s2 bnbatch-xi0.01-s2"
 R=experiments/runs/mfcl_xi
 finished() { [ -f "$1/metrics.jsonl" ] && grep -q '"phase": "probe"' "$1/metrics.jsonl"; }
 for name in ${RUNS:-$ALL}; do
