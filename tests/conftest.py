@@ -36,22 +36,23 @@ def toy_dataset(n_train=240, n_test=80, size=16, classes=4, seed=0) -> ImageData
                         (0.4, 0.4, 0.4), (0.3, 0.3, 0.3), True)
 
 
-# Flags for XLA:CPU in the default selection. Its tests compile hundreds of small programs and
-# run each for milliseconds, so XLA's full LLVM optimisation and its new fusion emitters cost
-# far more than they save: with these flags a FedAvg round of MOON's CNN compiles in 1.6 s
-# instead of 5.5 s (2-core AVX2 EPYC, 2026-11-25). Level 1, not 0: at level 0 a MOON round
-# moved its output by 2e-4 when the global weights moved by 1e-8, in the engine and in the
-# client-by-client reference alike (at levels 1 and 2 by 4e-8). Every comparison in a test
-# compiles both sides under the same flags. The slow step (`-m slow`: long end-to-end runs,
-# where running time counts) keeps XLA's defaults, the configuration users run;
-# FEDJAX_RCL_TEST_XLA_DEFAULTS=1 keeps them everywhere.
+# Flags for XLA:CPU in the tests. They compile hundreds of small programs and run each for
+# milliseconds to seconds, so XLA's full LLVM optimisation and its new fusion emitters cost
+# more than they save: a FedAvg round of MOON's CNN compiles in 1.6 s instead of 5.5 s, and
+# the slow step (-m slow, long end-to-end runs) takes less time in all, though its MFCL runs,
+# the most compute-bound, take longer (BENCHMARKS.md, "Figures behind the code's choices").
+# Level 1, not 0: at level 0 a MOON round moved its output by 2e-4 when the global weights
+# moved by 1e-8, in the engine and in the client-by-client reference alike (at levels 1 and 2
+# by 4e-8). Every comparison in a test compiles both sides under the same flags.
+# FEDJAX_RCL_TEST_XLA_DEFAULTS=1 keeps XLA's defaults, the configuration users run.
 FAST_COMPILE_FLAGS = "--xla_backend_optimization_level=1 --xla_cpu_use_fusion_emitters=false"
+
 
 def pytest_configure(config):
     # Read when XLA's CPU backend starts (the first device use), after this hook; subprocesses
     # that tests start inherit it.
     flags = os.environ.get("XLA_FLAGS", "")
-    if (config.option.markexpr.strip() == "not slow" and FAST_COMPILE_FLAGS not in flags
+    if (FAST_COMPILE_FLAGS not in flags
             and os.environ.get("FEDJAX_RCL_TEST_XLA_DEFAULTS") != "1"):
         os.environ["XLA_FLAGS"] = f"{flags} {FAST_COMPILE_FLAGS}".strip()
 

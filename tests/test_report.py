@@ -29,7 +29,7 @@ def _ema(run, r):
 
 
 @pytest.mark.slow
-def test_two_runs_table_and_figures(runs, tmp_path, capsys):
+def test_two_runs_table_and_figures_and_the_beta_sweep(runs, tmp_path, capsys):
     out = tmp_path / "rep"
     assert main(["report", str(runs["avg"]), str(runs["rcl"]), "--out", str(out),
                  "--at", "1", "2"]) == 0
@@ -43,11 +43,9 @@ def test_two_runs_table_and_figures(runs, tmp_path, capsys):
     for png in ("convergence.png", "collapse.png"):  # the fedavg run was analysed
         assert (out / png).stat().st_size > 10_000
     assert not (out / "beta_sweep.png").exists()
-
-
-@pytest.mark.slow
-def test_beta_sweep_when_runs_differ_only_in_beta(runs, tmp_path):
-    out = tmp_path / "rep"
+    # Runs that differ only in beta: the beta sweep. (One test with the above, so that the
+    # three runs are trained once: pytest-xdist would build the fixture on each worker.)
+    out = tmp_path / "rep-beta"
     assert main(["report", str(runs["rcl"]), str(runs["rcl-b05"]), "--out", str(out)]) == 0
     text = (out / "report.md").read_text()
     assert "| fedrcl beta=1.0 |" in text and "| fedrcl beta=0.5 |" in text
