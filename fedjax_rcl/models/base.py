@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -80,6 +81,15 @@ class ModelFns:
     apply_from: Callable[..., ModelOutput] | None = None
 
 
+@functools.partial(jax.jit, static_argnums=0)
+def _init_variables(module: nn.Module, key, sample):
+    """``module.init`` compiled once per process for equal modules (Flax modules are frozen
+    dataclasses, equal when their class and fields are): a run, its resume, evaluation and
+    each member of a grid build the same model, and would otherwise each compile its
+    initialiser again. The threefry layout set around the call is part of the jit key."""
+    return module.init(key, sample, train=False)
+
+
 def model_fns(module: nn.Module, *, partitionable_init: bool = False) -> ModelFns:
     """Wraps a module whose ``__call__(x, *, train)`` returns a ``ModelOutput``.
 
@@ -89,7 +99,11 @@ def model_fns(module: nn.Module, *, partitionable_init: bool = False) -> ModelFn
     """
 
     # Jitted: run eagerly, every layer's initialiser would compile on its own (seconds).
-    jit_init = jax.jit(lambda key, sample: module.init(key, sample, train=False))
+    try:
+        hash(module)
+        jit_init = functools.partial(_init_variables, module)
+    except TypeError:  # a module with an unhashable field: its own compiled initialiser
+        jit_init = jax.jit(lambda key, sample: module.init(key, sample, train=False))
 
     def init(key, sample):
         # Initial weights come from threefry's original, non-partitionable bit layout: the
