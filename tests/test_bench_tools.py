@@ -54,6 +54,38 @@ def test_fit_layout_reads_the_table_and_refits_the_threshold():
     assert "| resnet10:16 |" in markdown(result)
 
 
+def test_gpu_check_merges_its_layout_stages(tmp_path):
+    """tools/gpu_check.py measures layouts in stages (one bench_round.py run each, the most
+    telling first) and merges them into one layouts.json that fit_layout reads; the merged rows
+    keep every stage's rows in order and say which stage measured them."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    from fit_layout import analyse
+    from gpu_check import _merge_layouts
+
+    machine = "test, 16 cores, gpu (test), jax"
+    stage0 = [_row("cnn", 10, "side-by-side", 300), _row("cnn", 10, "one-at-a-time", 200)]
+    stage1 = [_row("resnet10:16", 10, "side-by-side", 9), _row("resnet10:16", 10,
+                                                              "one-at-a-time", 12)]
+    paths = []
+    for i, rows in enumerate([stage0, stage1]):
+        paths.append(tmp_path / f"{i}.json")
+        paths[-1].write_text(json.dumps({"machine": machine, "matmul_peak_gflops": 1.0,
+                                         "rows": rows}))
+    dest = tmp_path / "layouts.json"
+    _merge_layouts([], dest)  # no stage finished: nothing written
+    assert not dest.exists()
+    _merge_layouts(paths, dest)
+    merged = json.loads(dest.read_text())
+    assert merged["machine"] == machine
+    assert [(r["model"], r["mode"], r["stage"]) for r in merged["rows"]] == [
+        ("cnn", "side-by-side", 0), ("cnn", "one-at-a-time", 0),
+        ("resnet10:16", "side-by-side", 1), ("resnet10:16", "one-at-a-time", 1)]
+    result = analyse(merged)
+    assert result["platform"] == "gpu"
+    assert result["models"]["cnn"]["verdict"] == "side-by-side"
+    assert result["models"]["resnet10:16"]["verdict"] == "one-at-a-time"
+
+
 def test_mfcl_bn_evidence_measures_against_loops():
     """tools/mfcl_bn_evidence.py's measures against explicit loops on random data: class
     composition per client, the distance of a client's BN statistics from the running ones,

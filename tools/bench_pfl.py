@@ -184,7 +184,9 @@ def main() -> None:
                          "each process gets an equal share of the cores")
     ap.add_argument("--pfl-backend", choices=["pfl", "gloo", "auto"], default="auto",
                     help="torch.distributed backend of several pfl processes: pfl's own choice "
-                         "(NCCL on a GPU), gloo, or auto: pfl's, and gloo where that fails")
+                         "(NCCL on a GPU), gloo, or auto: gloo on a GPU (NCCL refuses several "
+                         "processes on one device: 'Duplicate GPU detected'), elsewhere pfl's "
+                         "and gloo where that fails")
     ap.add_argument("--budget-s", type=float, default=float("inf"),
                     help="start no side and no pass that would end past this many seconds; "
                          "the results so far are still written")
@@ -206,7 +208,10 @@ def main() -> None:
             per = threads or max(1, (os.cpu_count() or 1) // workers)
             name = (f"pfl 0.6.0 ({threads or os.cpu_count()} threads)" if workers == 1 else
                     f"pfl 0.6.0 ({workers} processes x {per} threads)")
-            backends = {"pfl": [None], "gloo": ["gloo"], "auto": [None, "gloo"]}
+            # NCCL refuses processes that share one GPU ("Duplicate GPU detected", NCCL 2.28.9
+            # on an H200), and a refused worker only shows as a timeout: go to gloo at once.
+            auto = ["gloo"] if args.pfl_device.startswith("cuda") else [None, "gloo"]
+            backends = {"pfl": [None], "gloo": ["gloo"], "auto": auto}
             for backend in backends[args.pfl_backend] if workers > 1 else [None]:
                 label = name + (f", {backend}" if backend else "")
                 try:

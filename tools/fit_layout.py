@@ -48,7 +48,7 @@ def step_gflop(spec: str, batch: int) -> float:
 
 def platform_of(machine: str) -> str:
     for p in ("gpu", "tpu", "cpu"):
-        if f", {p}," in machine or machine.startswith(p):
+        if f", {p}," in machine or f", {p} (" in machine or machine.startswith(p):
             return p
     if "NVIDIA" in machine or "H100" in machine or "H200" in machine:
         return "gpu"

@@ -5,15 +5,16 @@ configurations and the next phase begins):
 
 1. ``env.json``: the GPU (nvidia-smi), the processor, the versions of JAX, jaxlib, Flax, optax,
    PyTorch and pfl, the device JAX sees.
-2. ``layouts.json``: client-steps per second of the compiled round for ``resnet18``, ``cnn``,
-   ``pfl_cnn`` and ``resnet10`` at width 16 (in that order of importance), with the paper's
-   local work (5 epochs of 10 steps of batch 50), at 1, 5, 10 and 50 clients, in each layout:
-   every client side by side (``vmap``; grouped convolutions), side by side with the patch
-   convolutions (the client axis becomes the batch of a ``dot_general``), one client after
-   another inside the program, and a Python loop over the jitted client update (1 and 5
-   clients), plus the default layout (``tools/bench_round.py``); ``gpu_check.md`` adds the
-   default's ratio to the best layout and the cost model's threshold fitted to the table
-   (``tools/fit_layout.py``), to be copied into ``fedjax_rcl/engine/layout.py``.
+2. ``layouts.json``: client-steps per second of the compiled round for ``pfl_cnn``,
+   ``resnet18``, ``resnet10`` at width 16 and ``cnn`` with the paper's local work (5 epochs of
+   10 steps of batch 50), in stages, most telling first: the two layouts the default chooses
+   between (every client side by side, ``vmap``, grouped convolutions; one client after
+   another inside the program) at 10 clients, then at 5 and 50, then the other layouts at 5
+   (``vmap`` as such, side by side with the patch convolutions, where the client axis becomes
+   the batch of a ``dot_general``, and a Python loop over the jitted client update)
+   (``tools/bench_round.py``); ``gpu_check.md`` adds the default's ratio to the best layout
+   and the cost model's threshold fitted to the table (``tools/fit_layout.py``), to be copied
+   into ``fedjax_rcl/engine/layout.py``.
 3. ``precision.json``: the FedRCL ResNet-18 round of 5 clients in fp32, bf16 and fp16
    (``precision=``), one client after another.
 4. ``grid.json``: three seeds of the digits job (MOON's small CNN side: ``model=cnn``) as one
@@ -23,8 +24,8 @@ configurations and the next phase begins):
 5. ``pfl.json``: pfl-research's CIFAR-10 workload, ours against pfl 0.6.0's own simulation
    with PyTorch on the same GPU (``tools/bench_pfl.py``): in its default single process and
    as its guide to fast simulations recommends for one GPU, 2, 3 and 4 processes sharing it
-   (pfl's ``PFL_WORKER_ADDRESSES``; NCCL, and gloo where NCCL refuses processes that share a
-   device), so the ratio is taken against pfl's fastest count.
+   (pfl's ``PFL_WORKER_ADDRESSES``, over gloo: NCCL refuses processes that share a device), so
+   the ratio is taken against pfl's fastest count.
 6. ``gpu_check.md``: the tables of all phases, and ``gpu_check.log``: everything printed.
 
 Seven files in ``$OUT``, within the device tool's eight. Packages the device image lacks travel
@@ -88,6 +89,18 @@ def _install_wheels(out: Path, env: dict) -> None:
                            "--target", str(site), *map(str, wheels)]).returncode
     _log(out, f"installed {len(wheels)} carried wheels into {site} (exit {code})")
     env["PYTHONPATH"] = f"{site}:{env.get('PYTHONPATH', '')}"
+    sys.path.insert(0, str(site))  # the summary's fit (tools/fit_layout.py) imports the package
+
+
+def _merge_layouts(paths: list[Path], dest: Path) -> None:
+    """One ``layouts.json`` from the stages' files (each stage is one ``bench_round.py`` run;
+    a stage stopped at its limit wrote nothing and adds nothing)."""
+    docs = [json.loads(p.read_text()) for p in paths]
+    if docs:
+        rows = [dict(r, stage=int(p.stem))
+                for p, d in zip(paths, docs, strict=True) for r in d["rows"]]
+        merged = dict(docs[0], rows=rows)
+        dest.write_text(json.dumps(merged, indent=1))
 
 
 def environment(env: dict) -> dict:
@@ -114,8 +127,8 @@ def environment(env: dict) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--budget-s", type=float, default=float(os.environ.get("BUDGET_S", 510)),
-                    help="the whole script's time (default 510 s: 8.5 minutes)")
+    ap.add_argument("--budget-s", type=float, default=float(os.environ.get("BUDGET_S", 540)),
+                    help="the whole script's time (default 540 s: 9 minutes)")
     ap.add_argument("--pfl-python", default=sys.executable,
                     help="the interpreter with pfl 0.6.0 and PyTorch (default: this one)")
     args = ap.parse_args()
@@ -138,31 +151,51 @@ def main() -> None:
 
     bench = [sys.executable, str(ROOT / "tools" / "bench_round.py"), "--no-append"]
     if dry:  # every phase, at sizes a CPU does in a few minutes
-        layouts = [*bench, "--models", "cnn", "resnet10:8", "--algorithms", "fedavg",
-                   "--clients", "1", "2", "--modes", "vmap", "side-by-side",
-                   "side-by-side-patches", "one-at-a-time", "sequential"]
+        stages = [["--models", "cnn", "resnet10:8", "--clients", "2", "--modes", "side-by-side",
+                   "one-at-a-time"],
+                  ["--models", "cnn", "--clients", "1", "--modes", "vmap",
+                   "side-by-side-patches", "sequential"]]
+        layouts = [*bench, "--algorithms", "fedavg"]
         precision = [*bench, "--models", "resnet10:8", "--algorithms", "fedrcl", "--clients",
                      "2", "--modes", "one-at-a-time", "--precisions", "fp32", "bf16", "fp16"]
         pfl_rounds, pfl_passes, pfl_workers = 2, 1, ["1", "2"]
         grid_rounds, grid_seeds = 2, ["0", "1"]
     else:
-        layouts = [*bench, "--paper-local-work", "--models", "resnet18", "cnn", "pfl_cnn",
-                   "resnet10:16", "--algorithms", "fedavg", "--clients", "1", "5", "10", "50",
-                   "--modes", "side-by-side", "one-at-a-time", "side-by-side-patches", "vmap",
-                   "sequential", "--timeout", "120"]
+        # Most telling first: the two layouts the default chooses between, at 10 clients for
+        # every model (pfl's CNN was never measured on a GPU), then at 5 and 50, then the
+        # other layouts. Compiling takes 8-33 s a configuration on an H200.
+        models = ["pfl_cnn", "resnet18", "resnet10:16", "cnn"]
+        stages = [["--models", *models, "--clients", "10", "--modes", "side-by-side",
+                   "one-at-a-time"],
+                  ["--models", *models, "--clients", "5", "50", "--modes", "side-by-side",
+                   "one-at-a-time"],
+                  ["--models", "resnet18", "cnn", "--clients", "5", "--modes",
+                   "side-by-side-patches", "vmap", "sequential"]]
+        layouts = [*bench, "--paper-local-work", "--algorithms", "fedavg", "--timeout", "90"]
         precision = [*bench, "--paper-local-work", "--models", "resnet18", "--algorithms",
                      "fedrcl", "--clients", "5", "--modes", "one-at-a-time", "--precisions",
-                     "fp32", "bf16", "fp16", "--timeout", "120"]
+                     "fp32", "bf16", "fp16", "--timeout", "90"]
         pfl_rounds, pfl_passes, pfl_workers = 5, 3, ["1", "2", "3", "4"]
-        grid_rounds, grid_seeds = 30, ["0", "1", "2"]
-    # Shares of what is left: layouts 40 %, precision 25 %, the grid 30 %, pfl the rest.
-    _run(out, [*layouts, "--json", str(out / "layouts.json"), "--budget-s",
-               f"{0.4 * left() - 60:.0f}"], 0.4 * left(), env)
+        grid_rounds, grid_seeds = 10, ["0", "1", "2"]
+    # Shares of the whole budget: layouts 42 %, precision 22 %, the grid 12 %, pfl the rest.
+    total = args.budget_s
+    layouts_end = time.perf_counter() + 0.42 * total
+    parts = Path("/tmp/gpu_check_layouts")
+    shutil.rmtree(parts, ignore_errors=True)
+    parts.mkdir(parents=True)
+    for i, stage in enumerate(stages):
+        budget = layouts_end - time.perf_counter()
+        if budget < 30:
+            _log(out, f"layouts: stage {i + 1} not started: out of time")
+            continue
+        _run(out, [*layouts, *stage, "--json", str(parts / f"{i}.json"), "--budget-s",
+                   f"{budget - 25:.0f}"], budget, env)
+        _merge_layouts(sorted(parts.glob("*.json")), out / "layouts.json")
     _run(out, [*precision, "--json", str(out / "precision.json"), "--budget-s",
-               f"{0.25 * left() - 45:.0f}"], 0.25 * left(), env)
+               f"{0.22 * total - 30:.0f}"], 0.22 * total, env)
     _run(out, [sys.executable, str(ROOT / "tools" / "bench_grid.py"), "--rounds",
                str(grid_rounds), "--seeds", *grid_seeds, "--runs-in-parallel", "1", "0", "--json",
-               str(out / "grid.json")], 0.3 * left(), env)
+               str(out / "grid.json")], 0.12 * total, env)
     _run(out, [sys.executable, str(ROOT / "tools" / "bench_pfl.py"), "--no-append", "--json",
                str(out / "pfl.json"), "--pfl-python", args.pfl_python, "--pfl-device", device,
                "--rounds", str(pfl_rounds), "--passes", str(pfl_passes), "--pfl-workers",

@@ -40,13 +40,13 @@ from jax.extend import core as jex_core
 #   ResNet-10 at width 16 (4.85) and ResNet-18 (167) fastest one at a time; the geometric mean
 #   of 0.196 and 4.85 is 0.974. (MFCL's autoencoder, 45 GFLOP at batch 64, was measured faster
 #   one at a time too.)
-# - gpu: provisional until a GPU's table is fitted (tools/gpu_check.py prints the fit). The one
-#   GPU measurement: ResNet-18 (167 GFLOP) 0.52x as fast side by side on an H200, where one
-#   client's step ran at 57 TFLOP/s (2.9 ms). At that rate a 20 GFLOP step lasts 0.35 ms, about
-#   what launching its forward and backward kernels costs; smaller steps leave the GPU idle
-#   between kernels, and side by side (even as grouped convolutions) fills it.
+# - gpu: fitted by tools/fit_layout.py to the H200 layout table in BENCHMARKS.md ("Clients side
+#   by side on a GPU"): MOON's CNN (0.196 GFLOP) 1.38-1.61x and ResNet-10 at width 16 (4.85)
+#   1.23x faster side by side at 10-50 clients; ResNet-18 (167) 1.73x faster one at a time (its
+#   per-client weights make every convolution a grouped one). The geometric mean of 4.85 and
+#   167 is 28.4. Between 4.85 and 167 GFLOP (pfl's CNN, 5.05, is there) nothing is measured.
 # - tpu: not measured; side by side.
-SIDE_BY_SIDE_BELOW_GFLOP = {"cpu": 0.97, "gpu": 20.0, "tpu": math.inf}
+SIDE_BY_SIDE_BELOW_GFLOP = {"cpu": 0.97, "gpu": 28.4, "tpu": math.inf}
 
 # Forward + backward of a training step: the backward costs about twice the forward.
 TRAIN_STEP_FACTOR = 3
