@@ -13,6 +13,10 @@
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 -d .whl omegaconf==2.4.0
 #   # there (carry .devdata and .whl):
 #   SECONDS_PER_RUN=400 bash tools/device_paper_resnet18.sh
+#   # issue 28 item 5, one run a window (500 rounds of FedRCL in bf16, one client at a time:
+#   # about 0.63 s a round alone on an H200, so ~320 s of rounds and ~60 s of compiling):
+#   ONLY=fedrcl SECONDS_PER_RUN=540 EXTRA="precision=bf16 rounds=500" \
+#     bash tools/device_paper_resnet18.sh
 #
 # The decoded images are byte-identical to the zip's (checked: every array equal, and the named
 # CIFAR-10 mean/std recognised from the folder as from the zip). Results: $OUT/<run>.jsonl,
@@ -21,6 +25,15 @@ set -u
 OUT=${OUT:-/tmp/out}
 SECONDS_PER_RUN=${SECONDS_PER_RUN:-400}
 EXTRA=${EXTRA:-}  # more overrides, e.g. a CPU smoke test: EXTRA="model=resnet10 width=8"
+ONLY=${ONLY:-fedavg fedrcl fedrcl-paper}  # which of the three runs (they share the GPU)
+declare -A RUNS=(
+  [fedavg]="algorithm=fedavg"
+  [fedrcl]="algorithm=fedrcl"
+  [fedrcl-paper]="algorithm=fedrcl fedrcl.mining=none"
+)
+for name in $ONLY; do
+  [ -n "${RUNS[$name]:-}" ] || { echo "ONLY: unknown run $name (${!RUNS[*]})"; exit 2; }
+done
 mkdir -p "$OUT"
 exec > >(tee "$OUT/device.log") 2>&1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -38,13 +51,8 @@ DATA=imagefolder:/tmp/cifar10
 python3 -c "from fedjax_rcl.data.sources import load_dataset as l; d = l('$DATA'); \
 print(d.train_images.shape, d.mean, d.std)" || exit 1
 
-declare -A RUNS=(
-  [fedavg]="algorithm=fedavg"
-  [fedrcl]="algorithm=fedrcl"
-  [fedrcl-paper]="algorithm=fedrcl fedrcl.mining=none"
-)
 pids=()
-for name in "${!RUNS[@]}"; do
+for name in $ONLY; do
   # shellcheck disable=SC2086
   timeout -s INT -k 30 "$SECONDS_PER_RUN" python3 -m fedjax_rcl train \
     experiments/paper/cifar10_resnet18.yaml dataset=$DATA ${RUNS[$name]} \
@@ -52,7 +60,7 @@ for name in "${!RUNS[@]}"; do
   pids+=($!)
 done
 wait "${pids[@]}"  # (a bare `wait` would also wait for the tee above, forever)
-for name in "${!RUNS[@]}"; do
+for name in $ONLY; do
   cp /tmp/runs/$name/metrics.jsonl "$OUT/$name.jsonl"
   tail -n 3 "$OUT/$name.log"
 done
