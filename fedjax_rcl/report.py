@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import posixpath
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -161,13 +162,23 @@ def _label(run: Run, keys: Sequence[str]) -> str:
 _REPLICATE_KEYS = {"seed", "seeds", "init_threefry_partitionable"}
 
 
+def _compared(key: str, value):
+    """A setting's value as runs are compared: an image-folder archive by its file name, so
+    that one archive reached by two paths (``data/x.zip``, ``../shared/data/x.zip``: another
+    working directory, a link) is one dataset."""
+    if key == "dataset" and isinstance(value, str) and value.startswith("imagefolder:"):
+        return "imagefolder:" + posixpath.basename(value.split(":", 1)[1].rstrip("/"))
+    return value
+
+
 def group(runs: Sequence[Run]) -> tuple[list[str], list[str], dict]:
     """``(methods, settings, cells)``: labels in first-seen order, ``cells[(m, s)]`` runs (the
     seeds of one method and setting share a cell)."""
     keys = sorted({k for r in runs for k in r.config} - _IGNORED - _REPLICATE_KEYS)
     # A section's key is compared among the runs that have it (its algorithm's runs).
     differing = [k for k in keys
-                 if len({json.dumps(r.config[k]) for r in runs if k in r.config}) > 1]
+                 if len({json.dumps(_compared(k, r.config[k])) for r in runs
+                         if k in r.config}) > 1]
     methods, settings, cells = [], [], {}
     for r in runs:
         mk = [k for k in differing if _method_key(k, r.config) and k in r.config]

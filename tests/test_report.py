@@ -129,6 +129,33 @@ def test_seeds_share_a_cell_with_mean_sd_and_paired_differences(tmp_path, capsys
         capsys.readouterr().err)
 
 
+def test_one_archive_by_two_paths_is_one_dataset(tmp_path):
+    """Seeds whose image-folder archive was named by two paths (another working directory, a
+    link) share a cell; archives of different names stay different settings."""
+    import numpy as np
+
+    rng = np.random.default_rng(2)
+    ema = {}
+    for s, path in enumerate(["../shared/data/c10.zip", "data/c10.zip", "/abs/data/c10.zip"]):
+        ema[s] = _fake_run(tmp_path / f"avg-{s}",
+                           f"algorithm: fedavg\nseed: {s}\ndataset: imagefolder:{path}\n",
+                           rng.uniform(0.1, 0.5, 3))
+    _fake_run(tmp_path / "other", "algorithm: fedavg\nseed: 0\ndataset: imagefolder:c100.zip\n",
+              rng.uniform(0.1, 0.5, 3))
+    out = tmp_path / "rep"
+    assert main(["report", *(str(tmp_path / f"avg-{s}") for s in range(3)), "--out",
+                 str(out)]) == 0
+    text = (out / "report.md").read_text()
+    e = np.array(list(ema.values()))
+    assert "| method | all runs |" in text
+    assert f"| fedavg | {e.mean():.4f} ± {e.std(ddof=1):.4f} (" in text and "n=3)" in text
+    assert main(["report", str(tmp_path / "avg-1"), str(tmp_path / "other"), "--out",
+                 str(out)]) == 0
+    text = (out / "report.md").read_text()
+    assert "dataset=imagefolder:data/c10.zip" in text
+    assert "dataset=imagefolder:c100.zip" in text
+
+
 def test_within_run_counts_rounds_above_the_baseline_over_the_window(tmp_path, capsys):
     """The within-run statistic: per seed, the rounds of the window in which the method's raw
     accuracy is above the baseline's, and the mean raw difference, mean ± sd over the seeds
