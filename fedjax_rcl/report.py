@@ -164,7 +164,7 @@ _REPLICATE_KEYS = {"seed", "seeds", "init_threefry_partitionable"}
 
 def _compared(key: str, value):
     """A setting's value as runs are compared: an image-folder archive by its file name, so
-    that one archive reached by two paths (``data/x.zip``, ``../shared/data/x.zip``: another
+    that one archive reached by two paths (``data/x.zip``, ``/mnt/data/x.zip``: another
     working directory, a link) is one dataset."""
     if key == "dataset" and isinstance(value, str) and value.startswith("imagefolder:"):
         return "imagefolder:" + posixpath.basename(value.split(":", 1)[1].rstrip("/"))

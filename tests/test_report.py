@@ -136,7 +136,7 @@ def test_one_archive_by_two_paths_is_one_dataset(tmp_path):
 
     rng = np.random.default_rng(2)
     ema = {}
-    for s, path in enumerate(["../shared/data/c10.zip", "data/c10.zip", "/abs/data/c10.zip"]):
+    for s, path in enumerate(["../other/data/c10.zip", "data/c10.zip", "/abs/data/c10.zip"]):
         ema[s] = _fake_run(tmp_path / f"avg-{s}",
                            f"algorithm: fedavg\nseed: {s}\ndataset: imagefolder:{path}\n",
                            rng.uniform(0.1, 0.5, 3))
