@@ -117,6 +117,20 @@ def main():
         lines.append(f"| {la} − {lb} | " + ", ".join(f"{x:+.4f}" for x in d)
                      + f" | {statistics.mean(d):+.4f}" + (f" ± {sd:.4f}" if len(d) > 1 else "")
                      + f" | {shown} |")
+    # What phase 2 adds: each variant's trained server against a randomly initialised server
+    # over the same client module (same seed, same probe).
+    for norm, label in NORMS:
+        d = [p["linear_probe_accuracy"] - p["control_random_server_accuracy"]
+             for p in (done[norm, "0.01", s]["probe"] for s in seeds
+                       if (norm, "0.01", s) in done)
+             if "control_random_server_accuracy" in p]
+        if not d:
+            continue
+        sd = statistics.stdev(d) if len(d) > 1 else float("nan")
+        shown = ("yes" if abs(statistics.mean(d)) > 2 * sd else "no") if len(d) > 1 else "n=1"
+        lines.append(f"| {label} − its random server | " + ", ".join(f"{x:+.4f}" for x in d)
+                     + f" | {statistics.mean(d):+.4f}" + (f" ± {sd:.4f}" if len(d) > 1 else "")
+                     + f" | {shown} |")
     if pending:
         lines += ["", "Not finished (left out): " + ", ".join(pending)]
     text = "\n".join(lines) + "\n"
