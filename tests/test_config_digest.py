@@ -44,6 +44,10 @@ def test_a_setting_added_later_keeps_older_runs_digest_at_its_default(overrides,
         other = load_config(None, [*overrides, "mfcl.bn_statistics=batch"],
                             defaults=MFCL_DEFAULTS)
         assert config_digest(other) != digest
+    else:  # mfcl.tn_variance came later still: its default keeps the digest, "views" not
+        other = load_config(None, [*overrides, "mfcl.tn_variance=views"],
+                            defaults=MFCL_DEFAULTS)
+        assert config_digest(other) != digest
 
 
 @pytest.mark.parametrize("overrides,digest", [

@@ -147,6 +147,12 @@ def test_bad_input_and_train_refuses_mfcl(tmp_path, capsys):
                  "mfcl.probe_holdout=1.0: must be in [0, 1)",
                  "mfcl.probe_tol=0"):
         assert sum(want in line for line in lines) == 1, (want, err)
+    assert main(["mfcl", "mfcl.tn_variance=joint", f"run_dir={tmp_path / 'x'}"]) == 2
+    assert "mfcl.tn_variance='joint': allowed: pooled, views" in capsys.readouterr().err
+    assert main(["mfcl", "norm=group", "mfcl.tn_variance=views",
+                 f"run_dir={tmp_path / 'x'}"]) == 2
+    assert "tn_variance='views' applies to a Twin Normalization client module" in \
+        capsys.readouterr().err
     for mode in ("batch", "client"):
         assert main(["mfcl", "norm=twin", f"mfcl.bn_statistics={mode}",
                      f"run_dir={tmp_path / 'x'}"]) == 2
@@ -302,3 +308,24 @@ def test_probe_controls_are_the_same_probe_on_a_random_server_and_on_pixels():
     assert {k: out[k] for k in pixels} == pixels
     assert set(out) == set(pixels) | {f"linear_probe_{k}" for k in trained} | {
         f"control_random_server_{k}" for k in trained}
+
+
+def test_tn_variance_reaches_the_client_module():
+    """mfcl.tn_variance=views builds a Twin Normalization client module with the paper's
+    listing's variance: the same parameters give other representations of view pairs whose
+    views differ, and the same for single images (where both variances are the one view's)."""
+    exps = {v: build(c := load_config(None, [*TINY, "norm=twin", f"mfcl.tn_variance={v}"],
+                                      defaults=MFCL_DEFAULTS), mfcl_dataset(c))
+            for v in ("pooled", "views")}
+    assert exps["views"].model.module.tn_variance == "views"
+    params, state = exps["pooled"].state.params, exps["pooled"].state.model_state
+    rng = np.random.default_rng(0)
+    a = rng.uniform(size=(4, 8, 8, 3)).astype(np.float32)
+    # Second views shifted far in brightness: their first-layer group means move off the
+    # first views' (by the shift times the kernels' sums), which only the pooled variance sees.
+    pairs = jnp.asarray(np.concatenate([a, a + 5.0]))
+    out = {v: np.asarray(client_encoder(e)(params, state)(pairs, True)) for v, e in exps.items()}
+    assert np.max(np.abs(out["views"] - out["pooled"])) > 1e-3  # 0.014 here; rounding ~1e-6
+    single = {v: np.asarray(client_encoder(e)(params, state)(pairs, False))
+              for v, e in exps.items()}
+    np.testing.assert_allclose(single["views"], single["pooled"], rtol=1e-6, atol=1e-6)

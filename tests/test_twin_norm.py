@@ -193,3 +193,39 @@ def test_twin_norm_vmap(impl, mode):
         np.testing.assert_allclose(
             out[n], ref.twin_norm(xs[n], group_size=3), rtol=RTOL, atol=1e-12, err_msg=f"slice {n}"
         )
+
+
+def _table18(x_nhwc: np.ndarray, group_size: int, eps: float = 1e-5) -> np.ndarray:
+    """MFCL's code listing (its Table 18, TensorFlow, NCHW) in float64 NumPy: each view's
+    GroupNorm moments, averaged over the two views, then shared by both."""
+    x = np.transpose(np.asarray(x_nhwc, np.float64), (0, 3, 1, 2))
+    n, c, h, w = x.shape
+    g = x.reshape(n, c // group_size, group_size, h, w)
+    mean, var = g.mean(axis=(2, 3, 4), keepdims=True), g.var(axis=(2, 3, 4), keepdims=True)
+    mean_p = np.concatenate([(mean[: n // 2] + mean[n // 2:]) / 2] * 2)
+    var_p = np.concatenate([(var[: n // 2] + var[n // 2:]) / 2] * 2)
+    out = ((g - mean_p) / np.sqrt(var_p + eps)).reshape(n, c, h, w)
+    return np.transpose(out, (0, 2, 3, 1))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_views_variance_is_the_papers_listing(impl, mode):
+    """``variance="views"`` matches MFCL's Table 18 listing; it differs from Eq. 2's pooled
+    variance when the two views' means differ, and equals it when they do not."""
+    rng = _rng("table18")
+    x = rng.normal(size=(6, 3, 2, 8)) * rng.uniform(0.5, 2.0, size=8)
+    x[3:] += rng.normal(size=(3, 1, 1, 8))  # the second views' means move
+    views = np.asarray(_fn(impl, mode, group_size=4, variance="views")(jnp.asarray(x)))
+    np.testing.assert_allclose(views, _table18(x, 4), rtol=RTOL, atol=1e-12)
+    assert np.max(np.abs(views - ref.twin_norm(x, group_size=4))) > 1e-2
+    same = np.concatenate([x[:3], x[:3]])
+    np.testing.assert_allclose(
+        np.asarray(_fn(impl, mode, group_size=4, variance="views")(jnp.asarray(same))),
+        ref.twin_norm(same, group_size=4), rtol=RTOL, atol=1e-12)
+
+
+def test_unknown_variance_raises(impl):
+    with pytest.raises(ValueError, match="variance='joint'.*pooled.*views"):
+        impl.twin_norm(jnp.ones((2, 2, 2, 4)), group_size=2, variance="joint")
+    with pytest.raises(ValueError, match="variance='joint'"):
+        impl.TwinNorm(group_size=2, variance="joint")

@@ -40,6 +40,7 @@ def reconstruction_bce(logits: jax.Array, images: jax.Array) -> jax.Array:
 PROBE_L2_GRID = (1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 1e-1, 1.0, 10.0)
 PROBES = ("lbfgs", "adam")
 BN_STATISTICS = ("running", "batch", "client")
+TN_VARIANCES = ("pooled", "views")
 
 
 @dataclasses.dataclass
@@ -100,6 +101,11 @@ class MfclConfig:
         sends, layer by layer with the final phase-1 weights, as a client recomputing
         BatchNorm's statistics on its own data before sending would: free of the batch
         composition of ``batch`` and of the other clients' data in ``running``.
+      tn_variance: the variance of a Twin Normalization client module (``norm=twin``).
+        ``pooled``: MFCL's Eq. 2, over all values of both views of a sample about their joint
+        mean. ``views``: MFCL's code listing (its Table 18), the average of the two views' own
+        variances (the same mean); smaller than the pooled one by a quarter of the squared
+        difference of the views' means (``fedjax_rcl.nn.twin_norm``).
     """
 
     group_size: int = 32
@@ -124,6 +130,7 @@ class MfclConfig:
     probe_batch_size: int = 256
     train_samples: int = 0
     bn_statistics: str = "running"
+    tn_variance: str = "pooled"
 
     def check(self, ctx: CheckContext) -> list[str]:
         p = []
@@ -160,6 +167,11 @@ class MfclConfig:
             p.append(f"bn_statistics={self.bn_statistics!r} applies to a BatchNorm client "
                      f"module; norm={ctx.norm!r} has no batch statistics (set norm=batch or "
                      "leave it out)")
+        one_of(p, "tn_variance", self.tn_variance, TN_VARIANCES)
+        if (self.tn_variance in TN_VARIANCES and self.tn_variance != "pooled"
+                and ctx.algorithm == "mfcl" and ctx.norm != "twin"):
+            p.append(f"tn_variance={self.tn_variance!r} applies to a Twin Normalization client "
+                     f"module; norm={ctx.norm!r} is not one (set norm=twin or leave it out)")
         if ctx.algorithm == "mfcl" and ctx.model != "mfcl_autoencoder":
             p.append(f"model={ctx.model!r}: MFCL's phase 1 trains model=mfcl_autoencoder")
         return p
@@ -196,7 +208,8 @@ def mfcl_reconstruction() -> ClientAlgorithm:
 
 registry.register_algorithm(
     "mfcl", lambda settings, model: mfcl_reconstruction(), config=MfclConfig, num_views=2,
-    model_kwargs=lambda s: {"group_size": s.group_size}, command="mfcl")
+    model_kwargs=lambda s: {"group_size": s.group_size, "tn_variance": s.tn_variance},
+    command="mfcl")
 
-__all__ = ["BN_STATISTICS", "PROBES", "PROBE_L2_GRID", "MfclConfig", "adam_client_optimizer",
-           "mfcl_reconstruction", "reconstruction_bce"]
+__all__ = ["BN_STATISTICS", "PROBES", "PROBE_L2_GRID", "TN_VARIANCES", "MfclConfig",
+           "adam_client_optimizer", "mfcl_reconstruction", "reconstruction_bce"]

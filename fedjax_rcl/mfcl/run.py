@@ -141,7 +141,8 @@ class ClientEncoder:
 
     def __init__(self, exp: Experiment, params, model_state):
         ae = exp.model.module
-        self.module = ClientModule(ae.norm, ae.group_size, ae.conv_impl)
+        self.module = ClientModule(ae.norm, ae.group_size, ae.conv_impl,
+                                   tn_variance=ae.tn_variance)
         self.norm = exp.cfg.norm
         self._batch_stats = _batch_dependent(exp.cfg)
         self._compiled: dict = {}

@@ -61,12 +61,15 @@ class ClientModule(nn.Module):
       group_size: channels per group for twin and group normalisation (32: 2 groups of 64).
       conv_impl: ``"auto" | "cpu" | "patches" | "rows" | "native"`` (``fedjax_rcl.nn.conv``).
       channels: output channels of both convolutions (ResNet-18's 64).
+      tn_variance: Twin Normalization's variance (``fedjax_rcl.nn.twin_norm``): ``"pooled"``
+        (MFCL's Eq. 2) or ``"views"`` (its code listing).
     """
 
     norm: str = "twin"
     group_size: int = 32
     conv_impl: str = "auto"
     channels: int = 64
+    tn_variance: str = "pooled"
 
     @nn.compact
     def __call__(self, x: jax.Array, *, train: bool) -> jax.Array:
@@ -76,7 +79,8 @@ class ClientModule(nn.Module):
         for i in (1, 2):
             x = torch_conv(cin, self.channels, 3, padding=1, use_bias=False,
                            conv_impl=self.conv_impl, name=f"conv{i}")(x)
-            x = nn.relu(Norm(self.norm, groups, name=f"norm{i}")(x, train=train))
+            x = nn.relu(Norm(self.norm, groups, self.tn_variance, name=f"norm{i}")(
+                x, train=train))
             cin = self.channels
         return max_pool(x, 2)
 
@@ -92,12 +96,14 @@ class Decoder(nn.Module):
       conv_impl: for all three convolutions (the transposed one is written as a convolution
         over the zero-upsampled input, see ``__call__``).
       out_channels: channels of the reconstructed image.
+      tn_variance: as ``ClientModule.tn_variance``.
     """
 
     norm: str = "twin"
     group_size: int = 32
     conv_impl: str = "auto"
     out_channels: int = 3
+    tn_variance: str = "pooled"
 
     @nn.compact
     def __call__(self, r: jax.Array, *, train: bool) -> jax.Array:
@@ -115,10 +121,10 @@ class Decoder(nn.Module):
         up = jnp.zeros((n, 2 * h, 2 * w, c), r.dtype).at[:, ::2, ::2, :].set(r)
         y = torch_conv(c, c, 3, padding=1, use_bias=False, conv_impl=self.conv_impl,
                        name="upconv")(up)
-        y = nn.relu(Norm(self.norm, groups, name="norm1")(y, train=train))
+        y = nn.relu(Norm(self.norm, groups, self.tn_variance, name="norm1")(y, train=train))
         y = torch_conv(c, c, 3, padding=1, use_bias=False, conv_impl=self.conv_impl,
                        name="conv")(y)
-        y = nn.relu(Norm(self.norm, groups, name="norm2")(y, train=train))
+        y = nn.relu(Norm(self.norm, groups, self.tn_variance, name="norm2")(y, train=train))
         # No normalisation after the last layer, so it keeps its bias: the pixel logits.
         return torch_conv(c, self.out_channels, 3, padding=1, conv_impl=self.conv_impl,
                           name="out_conv")(y)
@@ -131,11 +137,13 @@ class Autoencoder(nn.Module):
       norm: as ``ClientModule.norm``.
       group_size: as ``ClientModule.group_size``.
       conv_impl: as ``ClientModule.conv_impl``.
+      tn_variance: as ``ClientModule.tn_variance``.
     """
 
     norm: str = "twin"
     group_size: int = 32
     conv_impl: str = "auto"
+    tn_variance: str = "pooled"
 
     @nn.compact
     def __call__(self, x: jax.Array, *, train: bool = True) -> ModelOutput:
@@ -151,10 +159,10 @@ class Autoencoder(nn.Module):
         if h % 2 or w % 2:
             raise ValueError(f"mfcl_autoencoder needs even image sizes (the 2x2 max-pool drops an "
                              f"odd last row/column the decoder cannot restore); got {h}x{w}")
-        r = ClientModule(self.norm, self.group_size, self.conv_impl, name="client")(
-            x, train=train)
+        r = ClientModule(self.norm, self.group_size, self.conv_impl,
+                         tn_variance=self.tn_variance, name="client")(x, train=train)
         logits = Decoder(self.norm, self.group_size, self.conv_impl, x.shape[-1],
-                         name="decoder")(r, train=train)
+                         tn_variance=self.tn_variance, name="decoder")(r, train=train)
         pooled = r.mean(axis=(1, 2))
         return ModelOutput(logits=logits, features=(pooled,), embedding=pooled, projection=None)
 
@@ -234,11 +242,12 @@ class ServerModel(nn.Module):
 
 
 def build(num_classes, *, conv_impl="auto", norm="twin", width=None, projection_dim=None,
-          group_size=32):
-    """The registry's builder (``group_size`` from the ``mfcl`` section); an autoencoder has
-    no classes, width or projection head."""
+          group_size=32, tn_variance="pooled"):
+    """The registry's builder (``group_size`` and ``tn_variance`` from the ``mfcl`` section);
+    an autoencoder has no classes, width or projection head."""
     del num_classes, width, projection_dim
-    return Autoencoder(norm=norm, group_size=group_size, conv_impl=conv_impl)
+    return Autoencoder(norm=norm, group_size=group_size, conv_impl=conv_impl,
+                       tn_variance=tn_variance)
 
 
 register_model("mfcl_autoencoder", build, num_levels=1, norms=("twin", "group", "batch"))

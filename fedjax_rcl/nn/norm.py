@@ -24,10 +24,13 @@ class Norm(nn.Module):
     Attributes:
       kind: one of ``NORMS``.
       num_groups: groups for ``group`` and ``twin``.
+      twin_variance: ``twin``'s variance, ``"pooled"`` (MFCL's Eq. 2) or ``"views"`` (its
+        code listing; ``fedjax_rcl.nn.twin_norm``).
     """
 
     kind: str = "group"
     num_groups: int = 2
+    twin_variance: str = "pooled"
 
     @nn.compact
     def __call__(self, x: jax.Array, *, train: bool) -> jax.Array:
@@ -38,5 +41,6 @@ class Norm(nn.Module):
             return nn.BatchNorm(use_running_average=not train, momentum=0.9, epsilon=1e-5,
                                 use_fast_variance=False, name="bn")(x)
         if self.kind == "twin":
-            return TwinNorm(num_groups=self.num_groups, epsilon=1e-5, name="tn")(x, paired=train)
+            return TwinNorm(num_groups=self.num_groups, epsilon=1e-5,
+                            variance=self.twin_variance, name="tn")(x, paired=train)
         raise ValueError(f"norm={self.kind!r}: allowed {NORMS}")

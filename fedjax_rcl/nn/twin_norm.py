@@ -18,7 +18,16 @@ def _check_group_size(group_size: Any) -> None:
         raise ValueError(f"group_size must be a positive int, got {group_size!r}.")
 
 
-def _standardize(x: Array, group_size: int, eps: float, paired: bool = True) -> Array:
+VARIANCES = ("pooled", "views")
+
+
+def _check_variance(variance: Any) -> None:
+    if variance not in VARIANCES:
+        raise ValueError(f"variance={variance!r}: allowed {VARIANCES}.")
+
+
+def _standardize(x: Array, group_size: int, eps: float, paired: bool = True,
+                 variance: str = "pooled") -> Array:
     """Twin-normalises ``x`` and returns it in the compute dtype (at least float32).
 
     With ``paired=False`` every row is its own sample (statistics over one view: GroupNorm),
@@ -26,6 +35,7 @@ def _standardize(x: Array, group_size: int, eps: float, paired: bool = True) -> 
     """
     x = jnp.asarray(x)
     _check_group_size(group_size)
+    _check_variance(variance)
     if x.ndim < 2:
         raise ValueError(
             f"twin_norm expects x of shape [2K, ..., C] (e.g. [2K, H, W, C]), got {x.shape}."
@@ -49,14 +59,22 @@ def _standardize(x: Array, group_size: int, eps: float, paired: bool = True) -> 
     grouped = x.astype(compute_dtype).reshape(
         views, rows // views, *x.shape[1:-1], channels // group_size, group_size
     )
-    axes = (0, *range(2, grouped.ndim - 2), grouped.ndim - 1)
-    mean = jnp.mean(grouped, axis=axes, keepdims=True)
-    centered = grouped - mean
-    var = jnp.mean(jnp.square(centered), axis=axes, keepdims=True)
+    within = (*range(2, grouped.ndim - 2), grouped.ndim - 1)  # one view's group values
+    if variance == "views":
+        # Each view's own moments, averaged over the two views (the paper's listing).
+        view_mean = jnp.mean(grouped, axis=within, keepdims=True)
+        var = jnp.mean(jnp.mean(jnp.square(grouped - view_mean), axis=within, keepdims=True),
+                       axis=0, keepdims=True)
+        centered = grouped - jnp.mean(view_mean, axis=0, keepdims=True)
+    else:
+        mean = jnp.mean(grouped, axis=(0, *within), keepdims=True)
+        centered = grouped - mean
+        var = jnp.mean(jnp.square(centered), axis=(0, *within), keepdims=True)
     return (centered / jnp.sqrt(var + eps)).reshape(x.shape)
 
 
-def twin_norm(x: Array, *, group_size: int, eps: float = 1e-5) -> Array:
+def twin_norm(x: Array, *, group_size: int, eps: float = 1e-5,
+              variance: str = "pooled") -> Array:
     r"""Normalises each sample's two views jointly, per group of ``group_size`` channels.
 
     ``x`` holds 2K rows: rows i and i+K are two augmented views of sample i. For sample i and
@@ -68,6 +86,12 @@ def twin_norm(x: Array, *, group_size: int, eps: float = 1e-5) -> Array:
       \sigma^2_{i,g} = \frac{1}{|\Omega_{i,g}|} \sum_{v \in \Omega_{i,g}} (v - \mu_{i,g})^2,
       \qquad
       \hat x = \frac{x - \mu_{i,g}}{\sqrt{\sigma^2_{i,g} + \epsilon}} .
+
+    ``variance="views"`` is the paper's code listing (its Table 18) instead of its Eq. 2: the
+    same joint mean (the average of the two views' means), but the variance is the average of
+    the two views' own variances, each about its own view's mean,
+    :math:`\tfrac12(\sigma^2_{i,1,g} + \sigma^2_{i,2,g})`; Eq. 2's pooled variance is that plus
+    :math:`\tfrac14(\mu_{i,1,g} - \mu_{i,2,g})^2`, so the two agree when the views' means do.
 
     Statistics are computed in at least float32 (two-pass population variance); the result has
     the dtype of ``x`` (float32 for integer inputs). A batch that is not made of view pairs
@@ -83,13 +107,14 @@ def twin_norm(x: Array, *, group_size: int, eps: float = 1e-5) -> Array:
       x: ``[2K, H, W, C]`` (any ``[2K, ..., C]``) view pairs stacked as ``[views_1; views_2]``.
       group_size: channels per group; must divide C.
       eps: added to the variance.
+      variance: ``"pooled"`` (Eq. 2) or ``"views"`` (the paper's Table 18 listing).
 
     Returns:
       ``[2K, H, W, C] -> [2K, H, W, C]``.
     """
     x = jnp.asarray(x)
     out_dtype = x.dtype if jnp.issubdtype(x.dtype, jnp.floating) else jnp.float32
-    return _standardize(x, group_size, eps).astype(out_dtype)
+    return _standardize(x, group_size, eps, variance=variance).astype(out_dtype)
 
 
 class TwinNorm(nn.Module):
@@ -110,6 +135,8 @@ class TwinNorm(nn.Module):
       num_groups: alternatively, the number of groups (``group_size = C // num_groups``), as in
         Flax's ``GroupNorm``; give exactly one of ``group_size`` and ``num_groups``.
       epsilon: added to the variance (1e-5).
+      variance: ``"pooled"`` (Eq. 2, the default) or ``"views"`` (the paper's Table 18
+        listing; see :func:`twin_norm`).
       use_scale: whether to learn ``scale`` :math:`\gamma`.
       use_bias: whether to learn ``bias`` :math:`\beta`.
       scale_init: initializer of ``scale``.
@@ -121,6 +148,7 @@ class TwinNorm(nn.Module):
     group_size: int | None = None
     num_groups: int | None = None
     epsilon: float = 1e-5
+    variance: str = "pooled"
     use_scale: bool = True
     use_bias: bool = True
     scale_init: Initializer = nn.initializers.ones
@@ -140,6 +168,7 @@ class TwinNorm(nn.Module):
             isinstance(self.num_groups, int) and self.num_groups > 0
         ):
             raise ValueError(f"num_groups must be a positive int, got {self.num_groups!r}.")
+        _check_variance(self.variance)
         super().__post_init__()
 
     @nn.compact
@@ -159,7 +188,7 @@ class TwinNorm(nn.Module):
                     f"C={channels} (x of shape {x.shape})."
                 )
             group_size = channels // self.num_groups
-        y = _standardize(x, group_size, self.epsilon, paired)
+        y = _standardize(x, group_size, self.epsilon, paired, self.variance)
         if self.use_scale:
             y = y * self.param("scale", self.scale_init, (channels,), self.param_dtype)
         if self.use_bias:

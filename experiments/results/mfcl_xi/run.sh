@@ -12,10 +12,13 @@ cd "$(dirname "$0")/../../.."
 # xi = 0.01. Phase 1 does not depend on the reading, so each branches from the BN run's
 # finished phase 1 (a copy of the run directory without its phase-2 checkpoints, resumed with
 # the reading changed) and trains only its own phase 2 and probe.
+# twinviews: TN with the variance of MFCL's code listing (mfcl.tn_variance=views) instead of
+# its Eq. 2's pooled one -- the authors' form, to tell TN from our reading of it.
 ALL="batch-xi0.01-s0 bnclient-xi0.01-s0 bnbatch-xi0.01-s0 twin-xi0.01-s0 group-xi0.01-s0
      batch-xi0.01-s1 twin-xi0.01-s1 group-xi0.01-s1
      batch-xi0.01-s2 twin-xi0.01-s2 group-xi0.01-s2
      batch-xi200-s0 twin-xi200-s0 group-xi200-s0
+     twinviews-xi0.01-s0
      bnclient-xi0.01-s1 bnbatch-xi0.01-s1 bnclient-xi0.01-s2 bnbatch-xi0.01-s2"
 R=experiments/runs/mfcl_xi
 finished() { [ -f "$1/metrics.jsonl" ] && grep -q '"phase": "probe"' "$1/metrics.jsonl"; }
@@ -33,6 +36,9 @@ for name in ${RUNS:-$ALL}; do
     echo "# branched from $src after its phase 1 (cp -a, phase-2 checkpoints removed)" \
       >> "$dir/commands.txt"
     fedjax-rcl resume "$dir" "mfcl.bn_statistics=${norm#bn}" --force --no-progress
+  elif [ "$norm" = twinviews ]; then
+    fedjax-rcl mfcl experiments/mfcl/cpu_cifar10_xi.yaml norm=twin mfcl.tn_variance=views \
+      alpha="$xi" seed="$seed" run_dir="$dir" --no-progress
   else
     fedjax-rcl mfcl experiments/mfcl/cpu_cifar10_xi.yaml norm="$norm" alpha="$xi" seed="$seed" \
       run_dir="$dir" --no-progress
