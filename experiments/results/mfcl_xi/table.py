@@ -52,6 +52,16 @@ def order(scores: dict) -> str:
     return " > ".join(k for k, _ in sorted(scores.items(), key=lambda kv: -kv[1]))
 
 
+def paired_row(name: str, d: list) -> str:
+    """A row of the paired-differences table: per-seed values, mean ± sd, and whether the
+    mean exceeds twice the sd (the difference is called shown only then)."""
+    if len(d) == 1:
+        return f"| {name} | {d[0]:+.4f} | {d[0]:+.4f} | n=1 |"
+    mean, sd = statistics.mean(d), statistics.stdev(d)
+    return (f"| {name} | " + ", ".join(f"{x:+.4f}" for x in d)
+            + f" | {mean:+.4f} ± {sd:.4f} | {'yes' if abs(mean) > 2 * sd else 'no'} |")
+
+
 def main():
     done, pending = load()
     seeds = sorted({s for (_, _, s) in done})
@@ -113,13 +123,8 @@ def main():
         d = [done[a, "0.01", s]["probe"]["linear_probe_accuracy"]
              - done[b, "0.01", s]["probe"]["linear_probe_accuracy"]
              for s in seeds if (a, "0.01", s) in done and (b, "0.01", s) in done]
-        if not d:
-            continue
-        sd = statistics.stdev(d) if len(d) > 1 else float("nan")
-        shown = ("yes" if abs(statistics.mean(d)) > 2 * sd else "no") if len(d) > 1 else "n=1"
-        lines.append(f"| {la} − {lb} | " + ", ".join(f"{x:+.4f}" for x in d)
-                     + f" | {statistics.mean(d):+.4f}" + (f" ± {sd:.4f}" if len(d) > 1 else "")
-                     + f" | {shown} |")
+        if d:
+            lines.append(paired_row(f"{la} − {lb}", d))
     # What phase 2 adds: each variant's trained server against a randomly initialised server
     # over the same client module (same seed, same probe).
     for norm, label in NORMS:
@@ -127,13 +132,8 @@ def main():
              for p in (done[norm, "0.01", s]["probe"] for s in seeds
                        if (norm, "0.01", s) in done)
              if "control_random_server_accuracy" in p]
-        if not d:
-            continue
-        sd = statistics.stdev(d) if len(d) > 1 else float("nan")
-        shown = ("yes" if abs(statistics.mean(d)) > 2 * sd else "no") if len(d) > 1 else "n=1"
-        lines.append(f"| {label} − its random server | " + ", ".join(f"{x:+.4f}" for x in d)
-                     + f" | {statistics.mean(d):+.4f}" + (f" ± {sd:.4f}" if len(d) > 1 else "")
-                     + f" | {shown} |")
+        if d:
+            lines.append(paired_row(f"{label} − its random server", d))
     if pending:
         lines += ["", "Not finished (left out): " + ", ".join(pending)]
     text = "\n".join(lines) + "\n"
