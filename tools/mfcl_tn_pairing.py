@@ -1,0 +1,161 @@
+"""Whether Twin Normalization's two forms explain TN's phase 2 in a finished MFCL run (issue 30).
+
+In phase 2 a TN client module normalises each augmented view together with its twin (the
+other view of the same image, MFCL's Eq. 2), and the server is trained on those
+representations. The linear probe -- like any image of no client, the test set -- takes each
+image alone (per-image statistics, TN's evaluation form). A server trained on one form and
+probed on the other may lose to a random server for that reason alone. This tool probes a
+finished run's trained server, and the run's randomly initialised control server, with the
+same converged L-BFGS probe (the run's grid and hold-out) on three forms of the client
+module's output for the probe's training and test images:
+
+- ``single``: each image alone (what the run's probe read);
+- ``paired``: each image normalised together with one augmented view of itself as its twin
+  (the image's own representation kept);
+- ``views``: two augmented views normalised together as in phase 2, the first view's
+  representation kept (phase 2's representations, one draw).
+
+A trained server that beats the random one on ``paired`` or ``views`` but not on ``single``
+places TN's deficit in the mismatch of forms; one that loses on every form places it in what
+phase 2 learnt. Views are drawn from the run's seed, the same for both servers.
+
+Usage: ``python tools/mfcl_tn_pairing.py RUN_DIR [--out FILE.json]`` (prints a table).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import sys
+from pathlib import Path
+
+FORMS = ("single", "paired", "views")
+_FORM_STREAM = 17  # the views' key stream (the run's own use 11-16)
+
+
+def _pairing(run_dir: Path) -> dict:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from fedjax_rcl.checkpoint import Checkpointer
+    from fedjax_rcl.data.contrastive_augment import simclr_view
+    from fedjax_rcl.experiment import build
+    from fedjax_rcl.loop import resume_config
+    from fedjax_rcl.mfcl import phase2
+    from fedjax_rcl.mfcl.probe import lbfgs_probe
+    from fedjax_rcl.mfcl.run import _CONTROL_STREAM, _PROBE_STREAM, ClientEncoder, mfcl_dataset
+    from fedjax_rcl.models.mfcl import ServerModel
+
+    cfg = resume_config(run_dir, force=True)
+    if cfg.norm != "twin":
+        raise SystemExit(f"{run_dir}: norm={cfg.norm!r}; this tool reads a TN run (norm=twin)")
+    m, exp = cfg.mfcl, build(cfg, mfcl_dataset(cfg))
+
+    def restore(phase, state, want):
+        ckpt = Checkpointer(run_dir / "checkpoints" / phase, keep=cfg.keep_checkpoints)
+        try:
+            got = ckpt.restore_latest(state)
+        finally:
+            ckpt.close()
+        if got is None or got.step < want:
+            raise SystemExit(f"{run_dir}: {phase} is not finished (no step-{want} checkpoint)")
+        return got.state
+
+    p1 = restore("phase1", exp.state, cfg.rounds)
+    encode = ClientEncoder(exp, p1.params, p1.model_state)
+    ds, root = exp.dataset, jax.random.PRNGKey(cfg.seed)
+    rep_shape = jax.eval_shape(lambda x: encode(x, False),
+                               jax.ShapeDtypeStruct((1, *ds.image_shape), jnp.float32)).shape
+    model = ServerModel(width=m.server_width, projection_dim=m.projection_dim,
+                        conv_impl=cfg.conv_impl)
+    tx = phase2.server_optimizer(m.server_lr, m.server_weight_decay, 1)  # state shape only
+    trained = restore("phase2", phase2.init_server_training(model, root, rep_shape[1:], tx),
+                      m.server_epochs)
+    random = phase2.init_server_training(model, jax.random.fold_in(root, _CONTROL_STREAM),
+                                         rep_shape[1:], tx)
+    servers = {"trained": {"params": trained.params, "batch_stats": trained.batch_stats},
+               "random": {"params": random.params, "batch_stats": random.batch_stats}}
+    form_key = jax.random.fold_in(root, _FORM_STREAM)
+
+    def represent(form, images, index):
+        x = images.astype(jnp.float32) / 255.0
+        if form == "single":
+            return encode(x, False)
+
+        def views(v):  # view v of each image, keyed by (image index, v)
+            return jax.vmap(lambda i, img: simclr_view(
+                jax.random.fold_in(jax.random.fold_in(form_key, i), v), img, blur=m.blur))(
+                    index, x)
+
+        first = x if form == "paired" else views(0)
+        return encode(jnp.concatenate([first, views(1)]), True)[:len(x)]
+
+    @functools.partial(jax.jit, static_argnums=3)
+    def embed(variables, images, index, form):
+        embedding, _ = model.apply(variables, represent(form, images, index), train=False)
+        return embedding
+
+    def features(variables, images, offset, form, chunk=500):
+        out = []
+        for s in range(0, len(images), chunk):
+            block = images[s:s + chunk]
+            n = len(block)
+            if n < chunk:  # one compiled shape: pad, then drop the padding
+                block = np.concatenate([block, np.repeat(block[-1:], chunk - n, 0)])
+            index = np.arange(offset + s, offset + s + chunk, dtype=np.int32)
+            out.append(np.asarray(embed(variables, jnp.asarray(block), jnp.asarray(index),
+                                        form))[:n])
+        return np.concatenate(out)
+
+    key = jax.random.fold_in(root, _PROBE_STREAM)
+    results = {"run_dir": str(run_dir), "seed": cfg.seed, "alpha": cfg.alpha,
+               "tn_variance": m.tn_variance, "probes": {}}
+    for name, variables in servers.items():
+        for form in FORMS:
+            train_x = features(variables, ds.train_images, 0, form)
+            test_x = features(variables, ds.test_images, len(ds.train_images), form)
+            p = lbfgs_probe(train_x, ds.train_labels, test_x, ds.test_labels,
+                            num_classes=ds.num_classes, l2_grid=m.probe_l2_grid,
+                            holdout=m.probe_holdout, max_iter=m.probe_max_iter, tol=m.probe_tol,
+                            key=key, prefix="")
+            results["probes"][f"{name}/{form}"] = {
+                k: p[k] for k in ("accuracy", "train_accuracy", "l2", "iterations", "converged")}
+            print(f"{run_dir.name} {name:7s} {form:6s} test {p['accuracy']:.4f} "
+                  f"train {p['train_accuracy']:.4f}", flush=True)
+    return results
+
+
+def _table(results: list[dict]) -> str:
+    lines = ["| run | form | trained server test (train) | random server test (train) "
+             "| trained - random |", "|---|---|---|---|---|"]
+    for r in results:
+        for form in FORMS:
+            t, z = r["probes"][f"trained/{form}"], r["probes"][f"random/{form}"]
+            lines.append(f"| {Path(r['run_dir']).name} | {form} | {t['accuracy']:.4f} "
+                         f"({t['train_accuracy']:.4f}) | {z['accuracy']:.4f} "
+                         f"({z['train_accuracy']:.4f}) | {t['accuracy'] - z['accuracy']:+.4f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("run_dirs", nargs="+", type=Path)
+    ap.add_argument("--out", type=Path, help="also write the results as JSON here")
+    args = ap.parse_args(argv)
+    from fedjax_rcl.validation import ConfigError
+
+    try:
+        results = [_pairing(p) for p in args.run_dirs]
+    except ConfigError as e:
+        print(f"mfcl_tn_pairing: {e}", file=sys.stderr)
+        return 2
+    if args.out:
+        args.out.write_text(json.dumps(results, indent=1) + "\n")
+    print(_table(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
