@@ -15,9 +15,9 @@ module's output for the probe's training and test images:
 - ``views``: two augmented views normalised together as in phase 2, the first view's
   representation kept (phase 2's representations, one draw).
 
-A trained server that beats the random one on ``paired`` or ``views`` but not on ``single``
-places TN's deficit in the mismatch of forms; one that loses on every form places it in what
-phase 2 learnt. Views are drawn from the run's seed, the same for both servers.
+``single`` against ``paired`` isolates the twin normalisation (the same clean image, alone
+or with a twin); ``paired`` against ``views`` the augmentation of the probed image. Views are
+drawn from the run's seed, the same for both servers.
 
 Usage: ``python tools/mfcl_tn_pairing.py RUN_DIR [--out FILE.json]`` (prints a table).
 """
