@@ -32,6 +32,11 @@ for name in ${RUNS:-$ALL}; do
   elif [ "$norm" = bnclient ] || [ "$norm" = bnbatch ]; then
     src=$R/batch-xi$xi-s$seed
     finished "$src" || { echo "$name: waits for $src"; continue; }
+    # The branch needs the source's final phase-1 checkpoint (finished runs' checkpoints are
+    # not committed): without it the copy would train phase 1 again.
+    [ -d "$src/checkpoints/phase1/$(sed -n 's/^rounds: //p' "$src/config.yaml")" ] || {
+      echo "$name: $src has no phase-1 checkpoint here (rerun it, or skip this reading)"
+      continue; }
     cp -a "$src" "$dir" && rm -rf "$dir/checkpoints/phase2"
     echo "# branched from $src after its phase 1 (cp -a, phase-2 checkpoints removed)" \
       >> "$dir/commands.txt"
