@@ -33,8 +33,6 @@ Usage: ``python tools/mfcl_bn_evidence.py RUN_DIR... [--out FILE.json]`` (prints
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -183,21 +181,9 @@ def _table(results: list[dict]) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("run_dirs", nargs="+", type=Path)
-    ap.add_argument("--out", type=Path, help="also write the results as JSON here")
-    args = ap.parse_args(argv)
-    from fedjax_rcl.validation import ConfigError
+    from run_dirs_cli import main_over_run_dirs  # tools/ is the script's directory
 
-    try:
-        results = [_evidence(p) for p in args.run_dirs]
-    except ConfigError as e:
-        print(f"mfcl_bn_evidence: {e}", file=sys.stderr)
-        return 2
-    if args.out:
-        args.out.write_text(json.dumps(results, indent=1) + "\n")
-    print(_table(results))
-    return 0
+    return main_over_run_dirs("mfcl_bn_evidence", __doc__.splitlines()[0], _evidence, _table, argv)
 
 
 if __name__ == "__main__":
