@@ -88,8 +88,17 @@ def _metrics(run_dir: Path) -> list[dict]:
 
 
 def rounds_done(run_dir: Path) -> int:
+    """Rounds a resume would start from: the newest whole checkpoint where the run has any
+    (metrics can run ahead of it when a process was killed between checkpoints, and resume
+    redoes those rounds), else the last round in metrics.jsonl (a finished run whose
+    checkpoints were not kept)."""
     rows = _metrics(run_dir)
-    return rows[-1]["round"] if rows else 0
+    last = rows[-1]["round"] if rows else 0
+    ckpt_dir = run_dir / "checkpoints"
+    # Orbax names a whole checkpoint by its step; a save in progress has a suffixed name.
+    steps = [int(p.name) for p in ckpt_dir.iterdir()
+             if p.is_dir() and p.name.isdigit()] if ckpt_dir.is_dir() else []
+    return min(last, max(steps)) if steps else last
 
 
 def _command(suite: dict, name: str, target: int) -> list[str]:

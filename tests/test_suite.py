@@ -141,3 +141,21 @@ def test_table_puts_the_papers_values_beside_ours(tmp_path):
     assert ("Spearman rank correlation of EMA @30 with the paper's 500R, over 3 runs: +0.50"
             in text)
     assert "Paper values: a test." in text
+
+
+def test_rounds_done_counts_from_the_newest_whole_checkpoint(tmp_path):
+    # A sitting cut between checkpoints leaves metrics ahead of the last checkpoint: resume
+    # redoes rounds 26-27, so the run stands at 25 (the next chunk goes to 50, not 52).
+    run_dir = tmp_path / "run"
+    _write_run(run_dir, np.full(27, 0.5))
+    assert suite_tool.rounds_done(run_dir) == 27  # no checkpoints: the metrics decide
+    (run_dir / "checkpoints" / "0").mkdir(parents=True)
+    (run_dir / "checkpoints" / "25").mkdir()
+    (run_dir / "checkpoints" / "30.orbax-checkpoint-tmp-1234").mkdir()  # a save cut short
+    assert suite_tool.rounds_done(run_dir) == 25
+    (run_dir / "checkpoints" / "27").mkdir()
+    assert suite_tool.rounds_done(run_dir) == 27
+    # A checkpoint past the metrics (a torn metrics line) does not count rounds not recorded.
+    (run_dir / "checkpoints" / "28").mkdir()
+    assert suite_tool.rounds_done(run_dir) == 27
+    assert suite_tool.rounds_done(tmp_path / "absent") == 0
