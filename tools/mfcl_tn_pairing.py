@@ -43,7 +43,13 @@ def _pairing(run_dir: Path) -> dict:
     from fedjax_rcl.loop import resume_config
     from fedjax_rcl.mfcl import phase2
     from fedjax_rcl.mfcl.probe import lbfgs_probe
-    from fedjax_rcl.mfcl.run import _CONTROL_STREAM, _PROBE_STREAM, ClientEncoder, mfcl_dataset
+    from fedjax_rcl.mfcl.run import (
+        _CONTROL_STREAM,
+        _PROBE_STREAM,
+        ClientEncoder,
+        _padded,
+        mfcl_dataset,
+    )
     from fedjax_rcl.models.mfcl import ServerModel
 
     cfg = resume_config(run_dir, force=True)
@@ -98,10 +104,8 @@ def _pairing(run_dir: Path) -> dict:
     def features(variables, images, offset, form, chunk=500):
         out = []
         for s in range(0, len(images), chunk):
-            block = images[s:s + chunk]
-            n = len(block)
-            if n < chunk:  # one compiled shape: pad, then drop the padding
-                block = np.concatenate([block, np.repeat(block[-1:], chunk - n, 0)])
+            n = min(chunk, len(images) - s)
+            block, _ = _padded(images[s:s + chunk], chunk)  # one compiled shape; padding dropped
             index = np.arange(offset + s, offset + s + chunk, dtype=np.int32)
             out.append(np.asarray(embed(variables, jnp.asarray(block), jnp.asarray(index),
                                         form))[:n])
