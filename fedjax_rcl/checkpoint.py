@@ -58,6 +58,13 @@ def _same_fingerprint(a, b) -> bool:
     return bool(np.allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6))
 
 
+def saved_steps(directory: str | Path) -> list[int]:
+    """The steps of the whole checkpoints in ``directory`` (none if it is absent), read from
+    the directory names without opening a ``CheckpointManager``: a save in progress or cut
+    short is not one of them."""
+    return sorted(ocp.utils.checkpoint_steps(directory)) if Path(directory).is_dir() else []
+
+
 class Checkpointer:
     """Saves and restores run checkpoints under ``directory`` (Orbax ``CheckpointManager``).
 

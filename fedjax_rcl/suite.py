@@ -40,6 +40,7 @@ from pathlib import Path
 
 import yaml
 
+from fedjax_rcl.checkpoint import saved_steps
 from fedjax_rcl.loop import TrainingError
 from fedjax_rcl.validation import ConfigError
 
@@ -94,11 +95,8 @@ def rounds_done(run_dir: Path) -> int:
     checkpoints were not kept)."""
     rows = _metrics(run_dir)
     last = rows[-1]["round"] if rows else 0
-    ckpt_dir = run_dir / "checkpoints"
-    # Orbax names a whole checkpoint by its step; a save in progress has a suffixed name.
-    steps = [int(p.name) for p in ckpt_dir.iterdir()
-             if p.is_dir() and p.name.isdigit()] if ckpt_dir.is_dir() else []
-    return min(last, max(steps)) if steps else last
+    steps = saved_steps(run_dir / "checkpoints")
+    return min(last, steps[-1]) if steps else last
 
 
 def _command(suite: dict, name: str, target: int) -> list[str]:
