@@ -171,18 +171,31 @@ def _compared(key: str, value):
     return value
 
 
+# A split's parameters that only one kind of split reads (data/partitioning.py): an IID run's
+# alpha is whatever its config carried and says nothing about the run.
+_PARTITION_KEYS = {"alpha": "dirichlet", "balanced": "dirichlet", "shards_per_client": "shards"}
+
+
+def _applies(key: str, config: dict) -> bool:
+    """Whether ``key`` is one of the run's settings: present, and read by its split."""
+    kind = _PARTITION_KEYS.get(key)
+    return key in config and (kind is None or config.get("partition", "dirichlet") == kind)
+
+
 def group(runs: Sequence[Run]) -> tuple[list[str], list[str], dict]:
     """``(methods, settings, cells)``: labels in first-seen order, ``cells[(m, s)]`` runs (the
     seeds of one method and setting share a cell)."""
     keys = sorted({k for r in runs for k in r.config} - _IGNORED - _REPLICATE_KEYS)
-    # A section's key is compared among the runs that have it (its algorithm's runs).
+    # A section's key is compared among the runs that have it (its algorithm's runs); a
+    # split's parameter among the runs whose split reads it.
     differing = [k for k in keys
                  if len({json.dumps(_compared(k, r.config[k])) for r in runs
-                         if k in r.config}) > 1]
+                         if _applies(k, r.config)}) > 1]
     methods, settings, cells = [], [], {}
     for r in runs:
         mk = [k for k in differing if _method_key(k, r.config) and k in r.config]
-        sk = [k for k in differing if not _method_key(k, r.config) and "." not in k]
+        sk = [k for k in differing
+              if not _method_key(k, r.config) and "." not in k and _applies(k, r.config)]
         m, s = _label(r, ["algorithm"] + [k for k in mk if k != "algorithm"]), _label(r, sk)
         methods += [m] if m not in methods else []
         settings += [s] if s not in settings else []

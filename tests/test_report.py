@@ -214,3 +214,27 @@ def test_a_cell_one_seed_reached_shows_no_sd(tmp_path):
 def _fake_run_dir(path, seed, accs):
     _fake_run(path, f"algorithm: fedavg\nseed: {seed}\n", accs)
     return path
+
+
+def test_an_iid_run_is_not_labelled_with_the_alpha_it_does_not_read(tmp_path):
+    """alpha is a setting of Dirichlet splits only: an IID run's column carries no alpha (its
+    config's default is no part of the run), and Dirichlet runs keep theirs."""
+    import numpy as np
+
+    rng = np.random.default_rng(3)
+    for name, cfg in {"a005": "partition: dirichlet\nalpha: 0.05\n",
+                      "a03": "partition: dirichlet\nalpha: 0.3\n",
+                      "iid": "partition: iid\nalpha: 0.3\n"}.items():
+        _fake_run(tmp_path / name, f"algorithm: fedavg\nseed: 0\n{cfg}",
+                  rng.uniform(0.1, 0.5, 3))
+    out = tmp_path / "rep"
+    assert main(["report", *(str(tmp_path / n) for n in ("a005", "a03", "iid")), "--out",
+                 str(out)]) == 0
+    text = (out / "report.md").read_text()
+    assert ("| method | alpha=0.05 partition=dirichlet | alpha=0.3 partition=dirichlet "
+            "| partition=iid |") in text
+    # Dirichlet runs of one alpha and an IID run: alpha does not differ among the runs that
+    # read it, so only the split names the columns.
+    assert main(["report", str(tmp_path / "a03"), str(tmp_path / "iid"), "--out",
+                 str(out)]) == 0
+    assert "| method | partition=dirichlet | partition=iid |" in (out / "report.md").read_text()
