@@ -136,8 +136,8 @@ class CoreConfig:
       eval_batch_size: test images per evaluation batch.
       ema_decay: the decay of the smoothed test accuracy the papers report.
       analysis_every: every this many rounds, the representation analysis (effective rank,
-        VCI, class covariances of the global and one local model's features; the
-        participation histogram); 0: off.
+        VCI, class covariances, mean pairwise cosine and spread share of the global and one
+        local model's features; the participation histogram); 0: off.
       analysis_images: test images the analysis uses (a fixed class-balanced subset).
       client_metrics: write each round's sampled clients, their data sizes and local losses to
         ``clients.jsonl`` (one line per round), for the spread over clients.

@@ -368,15 +368,22 @@ def _plots(runs: Sequence[Run], out: Path) -> list[Path]:
     names = {id(x): m if len(settings) == 1 else f"{m}, {s}"
              for (m, s), hit in cells.items() for x in hit}
     if analysed:
-        fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
-        for metric, ax, name in (("effective_rank", axes[0], "effective rank"),
-                                 ("vci", axes[1], "variability collapse index")):
+        panels = [("effective_rank", "effective rank"), ("vci", "variability collapse index")]
+        # The measures that keep the mean (runs since they were added): collapse towards one
+        # point, which the centred measures above do not see.
+        if any("global_mean_cosine" in r for x in analysed for r in x.rows):
+            panels += [("mean_cosine", "mean pairwise cosine"),
+                       ("spread_share", "spread share, tr(cov) / mean |x|^2")]
+        fig, axes = plt.subplots((len(panels) + 1) // 2, 2,
+                                 figsize=(12, 4.2 * ((len(panels) + 1) // 2)), squeeze=False)
+        for (metric, name), ax in zip(panels, axes.reshape(-1), strict=True):
             for i, x in enumerate(analysed):
                 for which, style in (("global", "-"), ("local", "--")):
                     pts = [(r["round"], r[f"{which}_{metric}"]) for r in x.rows
                            if f"{which}_{metric}" in r]
-                    ax.plot(*zip(*pts, strict=True), style, color=f"C{i}",
-                            label=f"{names[id(x)]} ({which})")
+                    if pts:  # a run from before a measure was added has none of it
+                        ax.plot(*zip(*pts, strict=True), style, color=f"C{i}",
+                                label=f"{names[id(x)]} ({which})")
             ax.set(title=name, xlabel="round", ylabel=name)
             ax.grid(alpha=0.3)
             ax.legend(fontsize=7)

@@ -72,6 +72,11 @@ def test_metrics_jsonl_rows_and_validation(tmp_path, capsys):
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert ["global_vci" in r for r in rows] == [False, True, False, True]
     assert rows[-1]["global_effective_rank"] > 1 and 0 <= rows[-1]["local_vci"] <= 1
+    for which in ("global", "local"):  # the measures that keep the mean
+        last = rows[-1]
+        assert last[f"{which}_effective_rank_uncentred"] >= 1
+        assert -1 <= last[f"{which}_mean_cosine"] <= 1
+        assert 0 <= last[f"{which}_spread_share"] <= 1
     assert sum(rows[-1]["participation"]) == 4 * 5
     with pytest.raises(ConfigError) as e:
         load_config(None, ["eval_every=2", "analysis_every=3", "analysis_images=1"])

@@ -12,6 +12,8 @@ import fedjax_rcl.metrics as metrics
 from fedjax_rcl.metrics import (
     class_covariance_traces,
     effective_rank,
+    mean_pairwise_cosine,
+    spread_share,
     variability_collapse_index,
 )
 
@@ -326,7 +328,8 @@ def test_other_array_types_give_the_float64_result(kind):
 
 def test_public_names():
     assert set(metrics.__all__) == {
-        "ema", "effective_rank", "class_covariance_traces", "variability_collapse_index"}
+        "ema", "effective_rank", "class_covariance_traces", "variability_collapse_index",
+        "mean_pairwise_cosine", "spread_share"}
     assert metrics.ema(None, 0.5) == 0.5
     assert metrics.ema(0.5, 1.0, decay=0.75) == 0.625
 
@@ -398,3 +401,96 @@ def test_bad_labels_raise(fn, bad, match):
 def test_labels_checked_even_when_features_are_collapsed(fn):
     with pytest.raises(ValueError, match=r"labels must have one entry per row"):
         fn(np.ones((5, 3)), GOOD_Y[:3])
+
+
+# ------------------------------------------------------------------ measures that keep the mean
+
+
+def brute_uncentred_effective_rank(x):
+    x = np.asarray(x, dtype=np.float64)
+    n, d = x.shape
+    second = np.zeros((d, d))
+    for i in range(n):
+        second += np.outer(x[i], x[i])
+    s = np.linalg.svd(second / n, compute_uv=False)
+    if s.sum() == 0:
+        return 0.0
+    p = s[s > 0] / s.sum()
+    return float(np.exp(-sum(pk * np.log(pk) for pk in p)))
+
+
+def brute_mean_cosine(x):
+    rows = [r for r in np.asarray(x, dtype=np.float64) if np.any(r != 0)]
+    total, pairs = 0.0, 0
+    for i, a in enumerate(rows):
+        for j, b in enumerate(rows):
+            if i != j:
+                total += float(a @ b) / (math.sqrt(a @ a) * math.sqrt(b @ b))
+                pairs += 1
+    return total / pairs if pairs else float("nan")
+
+
+def brute_spread_share(x):
+    total, _, _ = brute_covariances(x, np.zeros(len(x), dtype=int))
+    second = sum(float(r @ r) for r in np.asarray(x, dtype=np.float64)) / len(x)
+    return float(np.trace(total) / second)
+
+
+@pytest.mark.parametrize(("n", "d", "labels", "layout"), CASES)
+def test_measures_that_keep_the_mean_match_brute_force(n, d, labels, layout):
+    x, _ = make_data(n, d, labels, seed=n * 1000 + d + 7, layout=layout)
+    x[0] = 0.0  # a dead row (all-zero post-ReLU features): no direction, left out of the pairs
+    np.testing.assert_allclose(effective_rank(x, centred=False),
+                               brute_uncentred_effective_rank(x), rtol=RTOL)
+    np.testing.assert_allclose(mean_pairwise_cosine(x), brute_mean_cosine(x), rtol=RTOL)
+    np.testing.assert_allclose(spread_share(x), brute_spread_share(x), rtol=RTOL)
+    assert 1.0 <= effective_rank(x, centred=False) <= min(n, d) + 1e-9
+    assert 0.0 <= spread_share(x) <= 1.0
+
+
+@pytest.mark.parametrize("size", [1e-3, 1e-6])
+def test_a_point_with_a_small_spread_keeps_its_centred_rank_and_the_others_see_it(size):
+    """Features gathered around one point with a small isotropic spread: the centred effective
+    rank (scale-free) stays near D, while the uncentred rank goes to 1, the mean cosine to 1
+    and the spread share to 0 -- the collapse the centred measures cannot see."""
+    rng = np.random.default_rng(5)
+    d = 32
+    point = rng.uniform(1.0, 2.0, d)
+    x = point + size * rng.normal(size=(4000, d))
+    assert effective_rank(x) > 0.9 * d
+    np.testing.assert_allclose(effective_rank(x, centred=False), 1.0, atol=50 * size)
+    np.testing.assert_allclose(mean_pairwise_cosine(x), 1.0, atol=10 * size**2)
+    share = d * size**2 / (d * size**2 + point @ point)
+    np.testing.assert_allclose(spread_share(x), share, rtol=0.1)
+    # and a healthy spread: zero-mean features have share 1 whatever their rank
+    z = rng.normal(size=(500, d))
+    np.testing.assert_allclose(spread_share(z - z.mean(axis=0)), 1.0, rtol=1e-12)
+
+
+def test_degenerate_inputs_of_the_measures_that_keep_the_mean():
+    assert effective_rank(np.zeros((4, 3)), centred=False) == 0.0
+    assert effective_rank(np.ones((4, 3)), centred=False) == pytest.approx(1.0)
+    assert math.isnan(spread_share(np.zeros((4, 3))))
+    assert spread_share(np.full((4, 3), 2.5)) == 0.0
+    assert math.isnan(mean_pairwise_cosine(np.ones((1, 3))))
+    assert math.isnan(mean_pairwise_cosine(np.array([[0.0, 0.0], [1.0, 2.0]])))
+    assert mean_pairwise_cosine(np.array([[1.0, 0.0], [0.0, 3.0]])) == 0.0
+    assert mean_pairwise_cosine(np.array([[1.0, 1.0], [-2.0, -2.0]])) == pytest.approx(-1.0)
+    # scale: rows of 1e200 and 1e-200 neither overflow nor underflow
+    x, _ = make_data(30, 4, range(2), seed=3)
+    for scale in (1e200, 1e-200):
+        np.testing.assert_allclose(mean_pairwise_cosine(x * scale), brute_mean_cosine(x),
+                                   rtol=RTOL)
+        np.testing.assert_allclose(spread_share(x * scale), brute_spread_share(x), rtol=RTOL)
+        np.testing.assert_allclose(effective_rank(x * scale, centred=False),
+                                   brute_uncentred_effective_rank(x), rtol=RTOL)
+
+
+@pytest.mark.parametrize(("bad", "match"), FEATURE_ERRORS)
+@pytest.mark.parametrize("fn", [pytest.param(lambda x: effective_rank(x, centred=False),
+                                             id="erank-uncentred"),
+                                pytest.param(mean_pairwise_cosine, id="cosine"),
+                                pytest.param(spread_share, id="share")])
+def test_bad_features_raise_in_the_measures_that_keep_the_mean(fn, bad, match):
+    with pytest.raises(ValueError, match=match):
+        fn(bad)

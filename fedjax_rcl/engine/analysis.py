@@ -11,7 +11,11 @@ set (``analysis_images`` images, ``analysis_subset``), the penultimate features
   paper plots local models, which are where the skewed data collapse the features first.
 
 From each, on the host in float64 (``fedjax_rcl.metrics``): the effective rank, the within- and
-between-class covariance traces and the variability collapse index. Also the participation
+between-class covariance traces and the variability collapse index (the paper's measures, all
+of centred features), and the measures that keep the mean -- the effective rank of the
+uncentred second moment, the mean pairwise cosine and the spread share -- which see features
+collapsing towards one point, where centring removes the point and the centred rank of the
+small residual around it can stay high. Also the participation
 histogram: how often each client has been sampled so far (recomputed from the sampling rule,
 so a resumed run reports the same). The analysis changes nothing in the run (the retrained
 client is a side computation), so its settings may change on resume.
@@ -30,6 +34,8 @@ from fedjax_rcl.engine.round import client_keys, clients_per_round, sample_clien
 from fedjax_rcl.metrics.representation import (
     class_covariance_traces,
     effective_rank,
+    mean_pairwise_cosine,
+    spread_share,
     variability_collapse_index,
 )
 
@@ -39,7 +45,10 @@ def _summary(prefix: str, features: np.ndarray, labels: np.ndarray) -> dict[str,
     within, between = class_covariance_traces(x, labels)
     return {f"{prefix}_effective_rank": effective_rank(x),
             f"{prefix}_vci": variability_collapse_index(x, labels),
-            f"{prefix}_trace_within": within, f"{prefix}_trace_between": between}
+            f"{prefix}_trace_within": within, f"{prefix}_trace_between": between,
+            f"{prefix}_effective_rank_uncentred": effective_rank(x, centred=False),
+            f"{prefix}_mean_cosine": mean_pairwise_cosine(x),
+            f"{prefix}_spread_share": spread_share(x)}
 
 
 def analysis_subset(labels, num_images: int) -> np.ndarray:

@@ -5,6 +5,8 @@ from __future__ import annotations
 from fedjax_rcl.metrics.representation import (
     class_covariance_traces,
     effective_rank,
+    mean_pairwise_cosine,
+    spread_share,
     variability_collapse_index,
 )
 
@@ -15,4 +17,5 @@ def ema(previous: float | None, value: float, decay: float = 0.9) -> float:
     return value if previous is None else decay * previous + (1.0 - decay) * value
 
 
-__all__ = ["class_covariance_traces", "effective_rank", "ema", "variability_collapse_index"]
+__all__ = ["class_covariance_traces", "effective_rank", "ema", "mean_pairwise_cosine",
+           "spread_share", "variability_collapse_index"]

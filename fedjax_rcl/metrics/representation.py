@@ -1,5 +1,13 @@
 """Representation-collapse metrics on a set of features: effective rank, within- and
-between-class covariance traces, and the variability collapse index.
+between-class covariance traces, the variability collapse index, and two measures that keep
+the features' mean: the mean pairwise cosine and the spread share.
+
+Why both kinds: the effective rank and the VCI are taken on *centred* features and do not
+depend on their scale, so features that collapse towards one point -- which centring removes --
+can keep a high effective rank (the small residual around the point may be spread over many
+directions). The mean pairwise cosine, the spread share and the effective rank of the
+uncentred second moment (``effective_rank(x, centred=False)``) see that collapse: all three go
+to 1, 0 and 1 as every feature approaches one direction.
 
 These run on the host between rounds, on a few thousand test features, so they are computed
 in float64 NumPy whatever the input's dtype or array type (NumPy or JAX, float32, bfloat16 or
@@ -14,9 +22,9 @@ Numerical choices shared by the functions (none changes the mathematical value):
   (the first row overall, or the first row of each class): identical rows then centre to
   exactly zero, so fully collapsed features or classes give exactly zero spread rather than
   round-off.
-* Effective rank and the variability collapse index are scale-invariant, so the centred
-  features are divided by their largest magnitude before any product is formed; features of
-  any finite scale neither overflow nor underflow.
+* Every measure here but the traces is scale-invariant, so the (centred or raw) features are
+  divided by their largest magnitude before any product is formed; features of any finite
+  scale neither overflow nor underflow.
 
 Every function validates its inputs where they enter and raises ``ValueError`` naming the
 argument, what it got and what is allowed: ``features`` must be a 2-D real array ``[N, D]``
@@ -118,7 +126,7 @@ def _class_statistics(x: np.ndarray, y: np.ndarray):
     return within, counts, deviations
 
 
-def effective_rank(features) -> float:
+def effective_rank(features, *, centred: bool = True) -> float:
     r"""Effective rank of the features' population covariance: the exponential of the Shannon
     entropy of its normalised singular values, a continuous count of the dimensions the
     features spread over (1 for a single direction, ``D`` for an isotropic spread).
@@ -129,16 +137,20 @@ def effective_rank(features) -> float:
         p_k = \frac{s_k(S)}{\sum_j s_j(S)}, \qquad
         \operatorname{erank}(X) = \exp\Big(-\sum_k p_k \log p_k\Big), \quad 0 \log 0 = 0,
 
-    with :math:`\mu` the mean row and :math:`s_k(S)` the singular values of ``S``.
+    with :math:`\mu` the mean row and :math:`s_k(S)` the singular values of ``S``. With
+    ``centred=False``, ``S`` is the uncentred second moment
+    :math:`\frac{1}{N} \sum_i x_i x_i^\top` (:math:`\mu = 0` above): the count then includes
+    the mean's direction, so features gathered around one point have an uncentred rank near 1
+    whatever the shape of the small spread around it (which the centred rank measures).
 
     Roy & Vetterli, "The effective rank: a measure of effective dimensionality", EUSIPCO 2007
     (no arXiv version); used for representation collapse in FedRCL (Seo et al., "Relaxed
     Contrastive Learning for Federated Learning", CVPR 2024, Definition 2),
     https://arxiv.org/abs/2401.04928.
 
-    When every singular value is 0 (every row equal, which includes ``N = 1``) the features
-    have no spread, so there is no distribution over directions and no dimension to count:
-    the result is 0.0 rather than the undefined ``exp(-0/0)``.
+    When every singular value is 0 (every row equal, which includes ``N = 1``; uncentred: every
+    row zero) the features have no spread, so there is no distribution over directions and no
+    dimension to count: the result is 0.0 rather than the undefined ``exp(-0/0)``.
 
     For ``D > N`` the nonzero singular values are taken from the ``N x N`` Gram matrix of the
     centred rows divided by ``N``, which has the same nonzero spectrum as ``S``.
@@ -146,14 +158,16 @@ def effective_rank(features) -> float:
     Args:
         features: ``[N, D]`` real array (NumPy or JAX, any float or integer dtype), finite,
             ``N >= 1``.
+        centred: the covariance (True, the paper's definition) or the uncentred second
+            moment (False).
 
     Returns:
-        The effective rank, a float in ``[1, min(N - 1, D)]`` (up to round-off), or 0.0 for
-        features without spread.
+        The effective rank, a float in ``[1, min(N - 1, D)]`` (centred; ``[1, min(N, D)]``
+        uncentred) up to round-off, or 0.0 for features without spread.
     """
     x = _check_features(features)
     n, d = x.shape
-    c = _centred(x)
+    c = _centred(x) if centred else x
     scale = np.max(np.abs(c))
     if scale == 0.0:
         return 0.0
@@ -268,3 +282,69 @@ def variability_collapse_index(features, labels) -> float:
     projected = b @ vt[keep].T
     explained = np.sum(projected**2 / lam_t[keep])
     return float(1.0 - explained / rank_b)
+
+
+def mean_pairwise_cosine(features) -> float:
+    r"""Mean cosine similarity of the features over all pairs of distinct rows, uncentred.
+
+    .. math::
+
+        \bar{c} = \frac{1}{M (M - 1)} \sum_{i \ne j} \frac{x_i^\top x_j}{\|x_i\| \|x_j\|}
+                = \frac{\|\sum_i u_i\|^2 - M}{M (M - 1)}, \qquad u_i = x_i / \|x_i\|,
+
+    over the ``M`` rows that are not zero (a zero row has no direction; post-ReLU features can
+    be all zero for an image). 1 when every row points one way (features collapsed towards one
+    point or ray), 0 for mutually orthogonal rows, down to :math:`-1/(M-1)`. FedRCL's penalty
+    (Seo et al., CVPR 2024, Eq. 5, https://arxiv.org/abs/2401.04928) acts on same-class pairs
+    whose cosine similarity exceeds a threshold; this is the plainest summary of that
+    similarity over all pairs, and it does not remove the mean.
+
+    Args:
+        features: ``[N, D]`` real array (NumPy or JAX, any float or integer dtype), finite,
+            ``N >= 1``.
+
+    Returns:
+        The mean cosine, a float in ``[-1/(M-1), 1]``, or ``nan`` when fewer than two rows are
+        nonzero (no pair to compare).
+    """
+    x = _check_features(features)
+    # Each row over its largest magnitude first: the norm neither overflows nor underflows.
+    peak = np.max(np.abs(x), axis=1)
+    x = x[peak > 0] / peak[peak > 0, None]
+    m = x.shape[0]
+    if m < 2:
+        return float("nan")
+    u = x / np.linalg.norm(x, axis=1, keepdims=True)
+    total = u.sum(axis=0)
+    return float((total @ total - m) / (m * (m - 1)))
+
+
+def spread_share(features) -> float:
+    r"""The share of the features' mean squared norm that is spread about their mean rather
+    than the mean itself:
+
+    .. math::
+
+        \frac{\operatorname{Tr} \Sigma_T}{\frac{1}{N} \sum_i \|x_i\|^2}
+        = \frac{\operatorname{Tr} \Sigma_T}{\operatorname{Tr} \Sigma_T + \|\mu\|^2},
+
+    with :math:`\Sigma_T` the population covariance and :math:`\mu` the mean row. 0 when every
+    row is the same point (full collapse), 1 for features centred at the origin. Unlike the
+    effective rank and the VCI it depends on how large the spread is against the mean, which is
+    what a collapse towards one point shrinks.
+
+    Args:
+        features: ``[N, D]`` real array (NumPy or JAX, any float or integer dtype), finite,
+            ``N >= 1``.
+
+    Returns:
+        The share, a float in ``[0, 1]``, or ``nan`` when every row is zero (0/0).
+    """
+    x = _check_features(features)
+    scale = np.max(np.abs(x))
+    if scale == 0.0:
+        return float("nan")
+    x = x / scale
+    c = _centred(x)
+    spread = np.sum(c * c)
+    return float(spread / np.sum(x * x))
