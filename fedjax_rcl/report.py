@@ -13,7 +13,9 @@ into the *method* (the algorithm, its own section's keys, the server optimizer) 
   it; the runs behind each cell;
 * ``convergence.png``: EMA accuracy over rounds, one panel per setting (paper Fig. 1/A);
 * ``collapse.png``, for runs recorded with ``analysis_every``: effective rank and variability
-  collapse index of the global and local models' features over rounds (paper Figs. 2-3);
+  collapse index of the global and local models' features over rounds (paper Figs. 2-3), and
+  the measures that keep the mean where recorded; the same values at the reported rounds that
+  were analysed as a table in ``report.md``;
 * the spread over clients (local loss, accuracy on own data before and after local training)
   at each reported round, for runs with per-client metrics (``client_metrics``,
   ``client_eval``);
@@ -326,6 +328,41 @@ def table(runs: Sequence[Run], at: Sequence[int]) -> str:
     return "\n".join(lines) + "\n"
 
 
+# The representation analysis's measures (engine/analysis.py) as the table names them.
+_ANALYSIS = (("effective_rank", "effective rank"), ("vci", "VCI"),
+             ("effective_rank_uncentred", "uncentred rank"), ("mean_cosine", "mean cosine"),
+             ("spread_share", "spread share"))
+
+
+def analysis_table(runs: Sequence[Run], at: Sequence[int]) -> str:
+    """The representation analysis at the reported rounds that were analysed: one row per run
+    and round, each measure of the global model with the local model's in brackets (empty when
+    no run was analysed at those rounds)."""
+    methods, settings, cells = group(runs)
+    rows = []
+    for (m, s), hit in cells.items():
+        for x in hit:
+            name = m if len(settings) == 1 else f"{m}, {s}"
+            if len(hit) > 1:
+                name += f" (seed {_seed(x)})"
+            for r in at:
+                row = next((y for y in x.rows
+                            if y["round"] == r and "global_effective_rank" in y), None)
+                if row is None:
+                    continue
+                vals = [f"{_fmt(row.get(f'global_{k}'))} ({_fmt(row.get(f'local_{k}'))})"
+                        if f"global_{k}" in row else "—" for k, _ in _ANALYSIS]
+                rows.append(f"| {name} | {r} | " + " | ".join(vals) + " |")
+    if not rows:
+        return ""
+    return "\n".join(
+        ["Representation analysis at the reported rounds (penultimate features of the "
+         "analysis images; the global model, in brackets the next round's first client's local "
+         "model; — where the run did not record a measure):", "",
+         "| run | round | " + " | ".join(n for _, n in _ANALYSIS) + " |",
+         "|---" * (len(_ANALYSIS) + 2) + "|", *rows]) + "\n"
+
+
 def _plots(runs: Sequence[Run], out: Path) -> list[Path]:
     import matplotlib
 
@@ -476,7 +513,9 @@ def report(run_dirs: Sequence[str | Path], out: str | Path, at: Sequence[int] = 
     figures = _plots(runs, out)
     spread = "\n".join(x for x in (client_spread(runs, r) for r in at) if x)
     diffs = paired(runs, baseline, at, window) if baseline else ""
+    analysis = analysis_table(runs, at)
     text = ("# Report\n\n" + table(runs, at) + (f"\n{diffs}\n" if diffs else "")
+            + (f"\n{analysis}" if analysis else "")
             + (f"\n{spread}" if spread else "")
             + "\nFigures: " + ", ".join(f"`{p.name}`" for p in figures) + "\n")
     (out / "report.md").write_text(text)

@@ -42,6 +42,15 @@ def test_two_runs_table_and_figures_and_the_beta_sweep(runs, tmp_path, capsys):
     assert f"| fedrcl | {_ema(runs['rcl'], 2):.4f} (" in text
     for png in ("convergence.png", "collapse.png"):  # the fedavg run was analysed
         assert (out / png).stat().st_size > 10_000
+    # ... and its analysis at the reported rounds is a table: global (local) for each measure.
+    rows = [json.loads(x) for x in (runs["avg"] / "metrics.jsonl").read_text().splitlines()]
+    for r in (1, 2):
+        x = next(y for y in rows if y["round"] == r)
+        cells = [f"{x[f'global_{k}']:.4f} ({x[f'local_{k}']:.4f})"
+                 for k in ("effective_rank", "vci", "effective_rank_uncentred", "mean_cosine",
+                           "spread_share")]
+        assert f"| fedavg | {r} | " + " | ".join(cells) + " |" in text
+    assert "| fedrcl |" not in text.split("Representation analysis")[1]  # not analysed
     assert not (out / "beta_sweep.png").exists()
     # Runs that differ only in beta: the beta sweep. (One test with the above, so that the
     # three runs are trained once: pytest-xdist would build the fixture on each worker.)
