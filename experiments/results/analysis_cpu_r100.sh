@@ -3,7 +3,8 @@
 # 0.3, seed 0): FedAvg, FedSCL, FedRCL with the reference loss and in the paper's form; the
 # global model's and the next round's first client's local model's penultimate features on
 # 1,000 class-balanced test images every 5 rounds (effective rank, VCI and the measures that
-# keep the mean: experiments/results/rank_under_collapse.md). Resumes a stopped run.
+# keep the mean: experiments/results/rank_under_collapse.md). Resumes a stopped run. Then the
+# report: experiments/results/report_analysis_r100 (report.md, collapse.png).
 set -eu
 cd "$(dirname "$0")/../.."
 for spec in "fedavg algorithm=fedavg" "fedscl algorithm=fedscl" "fedrcl algorithm=fedrcl" \
@@ -18,3 +19,5 @@ for spec in "fedavg algorithm=fedavg" "fedscl algorithm=fedscl" "fedrcl algorith
         analysis_every=5 checkpoint_every=5 run_dir="$dir" --no-progress
   fi
 done
+fedjax-rcl report experiments/runs/analysis_cpu_r100/{fedavg,fedscl,fedrcl,fedrcl-paper} \
+  --out experiments/results/report_analysis_r100 --at 10 20 50 75 100 --baseline fedavg
