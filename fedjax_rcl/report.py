@@ -226,8 +226,9 @@ def _cell(hit: Sequence[Run], r: int) -> str:
     """One run: ``ema (best)``; several seeds: ``mean ± sd (best mean ± sd; n)`` over those
     that reached round ``r``."""
     vals = [(x.ema_at(r), x.best_to(r)) for x in hit]
-    if len(hit) <= 1:
-        return "; ".join(f"{_fmt(e)} ({_fmt(b)})" for e, b in vals) or "—"
+    if len(hit) <= 1:  # a run not yet at round r: no value (nor a best "through r")
+        return "; ".join(f"{_fmt(e)} ({_fmt(b)})" if e is not None else "—"
+                         for e, b in vals) or "—"
     reached = [(e, b) for e, b in vals if e is not None]
     if not reached:
         return "—"

@@ -247,3 +247,20 @@ def test_an_iid_run_is_not_labelled_with_the_alpha_it_does_not_read(tmp_path):
     assert main(["report", str(tmp_path / "a03"), str(tmp_path / "iid"), "--out",
                  str(out)]) == 0
     assert "| method | partition=dirichlet | partition=iid |" in (out / "report.md").read_text()
+
+
+def test_a_run_not_yet_at_the_reported_round_has_an_empty_cell(tmp_path):
+    """A run that stopped before a reported round shows "—" there, not a best accuracy "through"
+    a round it never reached; at a round it reached it shows both."""
+    import numpy as np
+
+    rng = np.random.default_rng(4)
+    _fake_run(tmp_path / "long", "algorithm: fedavg\nseed: 0\n", rng.uniform(0.1, 0.5, 4))
+    _fake_run(tmp_path / "short", "algorithm: fedprox\nseed: 0\n", rng.uniform(0.1, 0.5, 2))
+    out = tmp_path / "rep"
+    assert main(["report", str(tmp_path / "long"), str(tmp_path / "short"), "--out", str(out),
+                 "--at", "2", "4"]) == 0
+    text = (out / "report.md").read_text()
+    at2, at4 = text.split("at round 4")
+    assert "| fedprox | — |" in at4.split("Runs:")[0]
+    assert "| fedprox | 0." in at2 and "| fedprox | — |" not in at2
