@@ -3,8 +3,9 @@
 # 0.3, seed 0): FedAvg, FedSCL, FedRCL with the reference loss and in the paper's form; the
 # global model's and the next round's first client's local model's penultimate features on
 # 1,000 class-balanced test images every 5 rounds (effective rank, VCI and the measures that
-# keep the mean: experiments/results/rank_under_collapse.md). Resumes a stopped run. Then the
-# report: experiments/results/report_analysis_r100 (report.md, collapse.png).
+# keep the mean: experiments/results/rank_under_collapse.md). Resumes a stopped run and skips a
+# finished one (its checkpoints are not kept). Then the report:
+# experiments/results/report_analysis_r100 (report.md, collapse.png).
 set -eu
 cd "$(dirname "$0")/../.."
 for spec in "fedavg algorithm=fedavg" "fedscl algorithm=fedscl" "fedrcl algorithm=fedrcl" \
@@ -12,7 +13,11 @@ for spec in "fedavg algorithm=fedavg" "fedscl algorithm=fedscl" "fedrcl algorith
   set -- $spec
   name=$1; shift
   dir=experiments/runs/analysis_cpu_r100/$name
-  if [ -f "$dir/config.yaml" ]; then
+  done_rounds=$(python -c "import sys, pathlib; from fedjax_rcl.suite import rounds_done
+print(rounds_done(pathlib.Path(sys.argv[1])) if pathlib.Path(sys.argv[1], 'config.yaml').is_file() else 0)" "$dir")
+  if [ "$done_rounds" -ge 100 ]; then
+    echo "$dir: finished (round $done_rounds)"
+  elif [ -f "$dir/config.yaml" ]; then
     python -m fedjax_rcl resume "$dir" --no-progress
   else
     python -m fedjax_rcl train experiments/cifar10_resnet10w16.yaml "$@" alpha=0.3 rounds=100 \
