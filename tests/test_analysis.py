@@ -85,3 +85,21 @@ def test_metrics_jsonl_rows_and_validation(tmp_path, capsys):
     # The analysis changes nothing in the run: it may be switched on or off on resume.
     a, b = load_config(None, []), load_config(None, ["analysis_every=5"])
     assert config_digest(a) == config_digest(b)
+
+
+def test_analysis_changes_nothing_in_the_run(tmp_path, capsys):
+    """The same run with the analysis on and off: every training and test number identical (the
+    analysis reads the states and draws no randomness the round uses)."""
+    rows = {}
+    for every in (0, 1):
+        run = tmp_path / f"run{every}"
+        assert main(["train", "dataset=digits", "num_clients=10", "participation=0.3",
+                     "local_epochs=1", "algorithm=fedrcl", "rounds=3", f"analysis_every={every}",
+                     "analysis_images=100", f"run_dir={run}", "--no-progress"]) == 0, \
+            capsys.readouterr().err
+        rows[every] = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    timing = {"round_s", "elapsed_s", "total_s"}
+    for off, on in zip(rows[0], rows[1], strict=True):
+        assert "global_vci" in on and "global_vci" not in off
+        shared = {k: v for k, v in off.items() if k not in timing}
+        assert shared == {k: on[k] for k in shared}
