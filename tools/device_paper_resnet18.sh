@@ -13,9 +13,10 @@
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 -d .whl omegaconf==2.4.0
 #   # there (carry .devdata and .whl):
 #   SECONDS_PER_RUN=400 bash tools/device_paper_resnet18.sh
-#   # issue 28 item 5, one run a window (500 rounds of FedRCL in bf16, one client at a time:
-#   # about 0.63 s a round alone on an H200, so ~320 s of rounds and ~60 s of compiling):
-#   ONLY=fedrcl SECONDS_PER_RUN=540 EXTRA="precision=bf16 rounds=500" \
+#   # issue 28 item 5, one run a call (500 rounds in bf16, one client at a time, evaluated
+#   # every 10 rounds: 306-314 s with compiling on an H200, ~375 s a call with start-up; two
+#   # calls fit one 15-minute lease if the second follows at once on the warm machine):
+#   ONLY=fedavg SECONDS_PER_RUN=420 EXTRA="precision=bf16 rounds=500 eval_every=10" \
 #     bash tools/device_paper_resnet18.sh
 #
 # The decoded images are byte-identical to the zip's (checked: every array equal, and the named
