@@ -14,7 +14,7 @@ for spec in "fedavg algorithm=fedavg" "fedscl algorithm=fedscl" "fedrcl algorith
   name=$1; shift
   dir=experiments/runs/analysis_cpu_r100/$name
   done_rounds=$(python -c "import sys, pathlib; from fedjax_rcl.suite import rounds_done
-print(rounds_done(pathlib.Path(sys.argv[1])) if pathlib.Path(sys.argv[1], 'config.yaml').is_file() else 0)" "$dir")
+print(rounds_done(pathlib.Path(sys.argv[1])))" "$dir")  # 0 for a run not started
   if [ "$done_rounds" -ge 100 ]; then
     echo "$dir: finished (round $done_rounds)"
   elif [ -f "$dir/config.yaml" ]; then
