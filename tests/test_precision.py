@@ -114,13 +114,14 @@ def test_overflowing_fp16_steps_are_skipped(toy, factor):
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_resume_is_exact_in_low_precision(tmp_path, precision, capsys):
     args = ["algorithm=fedrcl", "num_clients=6", "participation=0.5", "local_epochs=1",
-            "partition=iid", f"precision={precision}", "checkpoint_every=2", "--no-progress"]
+            "partition=iid", f"precision={precision}", "checkpoint_every=1", "--no-progress"]
     whole, part = tmp_path / "whole", tmp_path / "part"
-    assert main(["train", *args, "rounds=4", f"run_dir={whole}"]) == 0
-    assert main(["train", *args, "rounds=2", f"run_dir={part}"]) == 0
-    assert main(["resume", str(part), "rounds=4", "--no-progress"]) == 0
+    # Two rounds, the second one resumed: fp16 runs about 3.5 s a round on a CPU (no fp16 units).
+    assert main(["train", *args, "rounds=2", f"run_dir={whole}"]) == 0
+    assert main(["train", *args, "rounds=1", f"run_dir={part}"]) == 0
+    assert main(["resume", str(part), "rounds=2", "--no-progress"]) == 0
     rows = [[{k: v for k, v in json.loads(x).items() if not k.endswith("_s")}
              for x in (run / "metrics.jsonl").read_text().splitlines()]
             for run in (whole, part)]
-    assert rows[0] == rows[1] and len(rows[0]) == 4
+    assert rows[0] == rows[1] and len(rows[0]) == 2
     assert f"precision: {precision}" in (whole / "config.yaml").read_text()
