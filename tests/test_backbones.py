@@ -95,8 +95,24 @@ def test_known_counts():
     assert _resnet50() == 23_520_842  # the usual CIFAR ResNet-50 (torchvision blocks)
 
 
-# The large backbones' structure checks (20-40 s each on 2 cores) run in the slow step.
+# The large backbones' structure checks (15-20 s each on 2 cores) run in the slow step.
 _SLOW_BACKBONES = {"mobilenet_v2", "resnet50", "shufflenet", "shufflenet_v2", "squeezenet"}
+
+
+def _drawn_like(shapes, seed=0):
+    """Weights of the initialiser's shapes drawn with NumPy (He-scaled kernels, vectors near 1).
+    The structure checks need weights that make every block matter, not the initialiser's
+    values; the initialiser is traced (``eval_shape``: every layer's shapes and the count), not
+    compiled, which for these backbones took 10-15 s of each check."""
+    rng = np.random.default_rng(seed)
+
+    def one(s):
+        if len(s.shape) >= 2:
+            fan_in = int(np.prod(s.shape[:-1]))
+            return (rng.standard_normal(s.shape) * np.sqrt(2.0 / fan_in)).astype(s.dtype)
+        return (1.0 + 0.1 * rng.standard_normal(s.shape)).astype(s.dtype)
+
+    return jax.tree.map(one, shapes)
 
 
 @pytest.mark.parametrize("name", [
@@ -105,17 +121,25 @@ def test_structure_levels_and_blocks(name):
     kw, count, level_widths = CASES[name]
     model = model_fns(get_model(name, num_classes=10, conv_impl="native", **kw))
     x = jax.random.uniform(jax.random.PRNGKey(0), (2, 32, 32, 3))
-    params, state = model.init(jax.random.PRNGKey(1), x[:1])
-    assert sum(p.size for p in jax.tree.leaves(params)) == count
-    out, _ = jax.jit(lambda p, x: model.apply(p, state, x, train=False))(params, x)
+    shapes, state_shapes = jax.eval_shape(model.init, jax.random.PRNGKey(1), x[:1])
+    assert sum(p.size for p in jax.tree.leaves(shapes)) == count
+    params, state = _drawn_like(shapes), _drawn_like(state_shapes, seed=1)
     entry = registry.model(name)
+
+    @jax.jit
+    def forward_and_tails(p, x):
+        """The forward pass, and the pass entered after each block from that block's output."""
+        out, _ = model.apply(p, state, x, train=False)
+        return out, [model.apply_from(p, state, out.blocks[k - 1], start=k).logits
+                     for k in range(1, entry.num_blocks + 1)]
+
+    out, tails = forward_and_tails(params, x)
     assert out.logits.shape == (2, 10)
+    assert np.all(np.isfinite(np.asarray(out.logits))) and np.ptp(np.asarray(out.logits)) > 0
     assert [f.shape for f in out.features] == [(2, w) for w in level_widths]
     assert len(out.features) == entry.num_levels and len(out.blocks) == entry.num_blocks
-    for k in range(1, entry.num_blocks + 1):
-        tail = jax.jit(lambda p, h, k=k: model.apply_from(p, state, h, start=k))(
-            params, out.blocks[k - 1])
-        np.testing.assert_allclose(np.asarray(tail.logits), np.asarray(out.logits),
+    for tail in tails:
+        np.testing.assert_allclose(np.asarray(tail), np.asarray(out.logits),
                                    rtol=1e-4, atol=1e-5)
 
 

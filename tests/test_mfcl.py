@@ -28,10 +28,12 @@ from fedjax_rcl.mfcl.run import (
 )
 from fedjax_rcl.models.mfcl import ServerModel
 
-# A small run: 96 digits, 3 clients, 2 rounds of phase 1, 3 server epochs.
+# A small run: 96 digits, 3 clients, 2 rounds of phase 1, 3 server epochs, a probe penalty
+# chosen from 2 values (the default grid's 8 fits per probe took half of each run's time).
 TINY = ["dataset=digits", "mfcl.train_samples=96", "num_clients=3", "alpha=0.5", "rounds=2",
         "batch_size=8", "checkpoint_every=1", "mfcl.server_epochs=3", "mfcl.server_width=4",
-        "mfcl.server_batch_size=32", "mfcl.projection_dim=16", "mfcl.probe_epochs=3"]
+        "mfcl.server_batch_size=32", "mfcl.projection_dim=16", "mfcl.probe_epochs=3",
+        "mfcl.probe_l2_grid=[0.01,1.0]"]
 
 
 def test_reconstruction_bce_matches_numpy():
@@ -72,6 +74,11 @@ def finished(tmp_path_factory):
     return run, result, lines
 
 
+def test_the_default_probe_grid_is_eight_penalties_from_1e6_to_10():
+    cfg = load_config(None, [], defaults=MFCL_DEFAULTS)
+    assert cfg.mfcl.probe_l2_grid == [1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 1e-1, 1.0, 10.0]
+
+
 @pytest.mark.slow
 def test_run_writes_both_phases_probe_and_resources(finished):
     run, result, lines = finished
@@ -85,7 +92,8 @@ def test_run_writes_both_phases_probe_and_resources(finished):
         assert 0.0 <= probe[f"{prefix}train_accuracy"] <= 1.0
         assert probe[f"{prefix}converged"] and probe[f"{prefix}grad_max_abs"] < 1e-5
         assert probe[f"{prefix}l2"] in probe[f"{prefix}l2_grid"]
-        assert len(probe[f"{prefix}heldout_accuracy"]) == 8  # the default grid, 1e-6 .. 10
+        assert probe[f"{prefix}l2_grid"] == [0.01, 1.0]  # the configured grid
+        assert len(probe[f"{prefix}heldout_accuracy"]) == 2  # one hold-out fit per penalty
     assert any(line.startswith("linear probe accuracy") and "controls: random server network"
                in line and "raw pixels" in line for line in lines)
     assert rows[-1] == {k: v for k, v in result.items() if k != "run_dir"}
@@ -285,7 +293,7 @@ def test_probe_controls_are_the_same_probe_on_a_random_server_and_on_pixels():
     """The probe record holds the probe of the server's features and, with the same probe
     and held-out split, the controls: a server network initialised from the control's key
     (here the probed server is that same network, so both probes agree) and the raw pixels."""
-    cfg = load_config(None, [*TINY, "mfcl.probe_l2_grid=[0.01,1.0]"], defaults=MFCL_DEFAULTS)
+    cfg = load_config(None, TINY, defaults=MFCL_DEFAULTS)
     exp = build(cfg, mfcl_dataset(cfg))
     encode = client_encoder(exp)(exp.state.params, exp.state.model_state)
     model = ServerModel(width=4, projection_dim=16, conv_impl=cfg.conv_impl)
