@@ -42,11 +42,6 @@ def _assert_same_state(a, b):
     chex.assert_trees_all_equal(a.state, b.state)  # bitwise
 
 
-# The tests that read the reference run go to one pytest-xdist worker (``--dist loadgroup`` in
-# pyproject.toml), which trains it once.
-_READS_THE_REFERENCE = pytest.mark.xdist_group("checkpoint-reference")
-
-
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     """An uninterrupted run of 6 rounds, checkpoints every 2."""
@@ -56,7 +51,6 @@ def reference(tmp_path_factory):
     return run
 
 
-@_READS_THE_REFERENCE
 def test_stop_and_resume_is_identical(reference, tmp_path):
     run = tmp_path / "run"
     train(load_config(None, [*TINY, "rounds=3", "checkpoint_every=2", f"run_dir={run}"]),
@@ -76,7 +70,6 @@ def test_stop_and_resume_is_identical(reference, tmp_path):
     assert "rounds: 6" in (run / "config.yaml").read_text()
 
 
-@_READS_THE_REFERENCE
 def test_resume_refuses_result_changing_overrides(reference, tmp_path, capsys):
     run = tmp_path / "copy"
     shutil.copytree(reference, run)
@@ -87,7 +80,6 @@ def test_resume_refuses_result_changing_overrides(reference, tmp_path, capsys):
     assert "alpha" in err and "--force" in err and len(err.strip().splitlines()) == 1
 
 
-@_READS_THE_REFERENCE
 def test_damaged_latest_checkpoint_falls_back_with_a_warning(reference, tmp_path, caplog):
     run = tmp_path / "damaged"
     shutil.copytree(reference, run)
@@ -107,7 +99,6 @@ def test_damaged_latest_checkpoint_falls_back_with_a_warning(reference, tmp_path
     _assert_same_state(_final_state(run), _final_state(reference))
 
 
-@_READS_THE_REFERENCE
 def test_eval_prints_the_latest_checkpoint(reference, capsys):
     assert main(["eval", str(reference)]) == 0
     out = json.loads(capsys.readouterr().out)
@@ -280,7 +271,6 @@ def test_sigint_and_sigterm_at_any_moment_exit_cleanly_and_resume_exactly(tmp_pa
 
 
 @pytest.mark.slow
-@_READS_THE_REFERENCE
 def test_checkpoints_from_before_the_registry_still_resume_identically(reference, tmp_path):
     """A checkpoint in the older layout (no server message) with the older config digest, as
     runs written before 2026-11-24 hold them, resumes to the uninterrupted run's result."""

@@ -64,11 +64,6 @@ def _rows(run):
     return [{k: v for k, v in r.items() if not k.endswith("_s")} for r in rows]
 
 
-# The tests that read the finished run go to one pytest-xdist worker (``--dist loadgroup`` in
-# pyproject.toml), which builds it once; spread over two, each worker built it (~60 s).
-_READS_THE_RUN = pytest.mark.xdist_group("mfcl-finished")
-
-
 @pytest.fixture(scope="module")
 def finished(tmp_path_factory):
     """One uninterrupted tiny run (twin normalization)."""
@@ -85,7 +80,6 @@ def test_the_default_probe_grid_is_eight_penalties_from_1e6_to_10():
 
 
 @pytest.mark.slow
-@_READS_THE_RUN
 def test_run_writes_both_phases_probe_and_resources(finished):
     run, result, lines = finished
     rows = _rows(run)
@@ -110,7 +104,6 @@ def test_run_writes_both_phases_probe_and_resources(finished):
 
 
 @pytest.mark.slow
-@_READS_THE_RUN
 @pytest.mark.parametrize("cut", ["phase2", "phase1"])
 def test_resume_in_either_phase_is_identical(finished, tmp_path, cut):
     """A copy of the finished run cut back to phase 2 epoch 1 (or phase 1 round 1), as an
@@ -347,7 +340,6 @@ def test_tn_variance_reaches_the_client_module():
 
 
 @pytest.mark.slow
-@_READS_THE_RUN
 def test_tn_pairing_tool_reproduces_the_runs_probe_on_single_images(finished):
     """tools/mfcl_tn_pairing.py restores a finished TN run's servers and, on single images,
     reads the run's own probe (trained server) and control (random server); its other forms
