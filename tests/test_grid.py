@@ -33,9 +33,16 @@ def _sizes(run_dir):
     return sorted(len(p) for p in exp.parts)
 
 
-def test_each_member_equals_its_seed_run_alone_bitwise(tmp_path):
-    grid = fedjax_rcl.train(None, *GRID, "rounds=3", "seeds=[0,1]",
-                            f"run_dir={tmp_path / 'grid'}")
+@pytest.fixture(scope="module")
+def grid01(tmp_path_factory):
+    """Seeds 0 and 1 to round 3 in one program, a checkpoint every round: read by three tests
+    (each pytest-xdist worker that runs one of them trains it once)."""
+    return fedjax_rcl.train(None, *GRID, "rounds=3", "seeds=[0,1]", "checkpoint_every=1",
+                            f"run_dir={tmp_path_factory.mktemp('grid01') / 'grid'}")
+
+
+def test_each_member_equals_its_seed_run_alone_bitwise(grid01, tmp_path):
+    grid = grid01
     assert [m.run_dir.name for m in grid.members] == ["seed-0", "seed-1"]
     # Largest clients 353 and 333 samples: 12 and 11 steps of 32, so seed 1 is padded.
     assert len({max(_sizes(m.run_dir)) for m in grid.members}) > 1, "members must be padded"
@@ -53,34 +60,33 @@ def test_each_member_equals_its_seed_run_alone_bitwise(tmp_path):
     assert _rows(grid.members[0].run_dir) != _rows(grid.members[1].run_dir)
 
 
-def test_an_interrupted_grid_resumes_to_the_uninterrupted_result(tmp_path):
-    whole = fedjax_rcl.train(None, *GRID, "rounds=4", "seeds=[3,4]",
-                             f"run_dir={tmp_path / 'whole'}")
+def test_an_interrupted_grid_resumes_to_the_uninterrupted_result(grid01, tmp_path):
+    whole = grid01
     seen = []
 
     def stop_at_2(record):
         seen.append((record["round"], len(record["runs"])))
         return record["round"] == 2
 
-    part = fedjax_rcl.train(None, *GRID, "rounds=4", "seeds=[3,4]",
+    part = fedjax_rcl.train(None, *GRID, "rounds=3", "seeds=[0,1]",
                             f"run_dir={tmp_path / 'part'}", callbacks=[stop_at_2])
     assert part.stopped_early and seen == [(1, 2), (2, 2)]
     assert [r["round"] for r in part.members[1].metrics] == [1, 2]
     again = fedjax_rcl.resume(part.run_dir)
     for a, w in zip(again.members, whole.members, strict=True):
-        assert [r["round"] for r in a.metrics] == [1, 2, 3, 4]
+        assert [r["round"] for r in a.metrics] == [1, 2, 3]
         assert _rows(a.run_dir) == _rows(w.run_dir)
         for x, y in zip(_params(a.run_dir)[1], _params(w.run_dir)[1], strict=True):
             np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
     ev = fedjax_rcl.evaluate(again.run_dir)
-    assert [r["round"] for r in ev["runs"]] == [4, 4]
+    assert [r["round"] for r in ev["runs"]] == [3, 3]
     assert ev["test_accuracy"] == pytest.approx(np.mean([r["test_accuracy"] for r in ev["runs"]]))
     # A member is an ordinary run: it continues alone.
-    one = fedjax_rcl.resume(again.members[0].run_dir, "rounds=5")
-    assert [r["round"] for r in one.metrics] == [1, 2, 3, 4, 5]
+    one = fedjax_rcl.resume(again.members[0].run_dir, "rounds=4")
+    assert [r["round"] for r in one.metrics] == [1, 2, 3, 4]
 
 
-def test_a_grid_resumes_from_the_newest_round_every_member_has(tmp_path):
+def test_a_grid_resumes_from_the_newest_round_every_member_has(grid01, tmp_path):
     part = fedjax_rcl.train(None, *GRID, "rounds=2", "seeds=[0,1]", "checkpoint_every=1",
                             f"run_dir={tmp_path / 'g'}")
     # Member seed-1 lost its round-2 checkpoint (a crash between the members' saves).
@@ -92,9 +98,7 @@ def test_a_grid_resumes_from_the_newest_round_every_member_has(tmp_path):
     again = fedjax_rcl.resume(part.run_dir, "rounds=3")
     for m in again.members:
         assert [r["round"] for r in m.metrics] == [1, 2, 3]
-    whole = fedjax_rcl.train(None, *GRID, "rounds=3", "seeds=[0,1]", "checkpoint_every=1",
-                             f"run_dir={tmp_path / 'w'}")
-    for a, w in zip(again.members, whole.members, strict=True):
+    for a, w in zip(again.members, grid01.members, strict=True):
         assert _rows(a.run_dir) == _rows(w.run_dir)
 
 
