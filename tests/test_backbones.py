@@ -95,7 +95,8 @@ def test_known_counts():
     assert _resnet50() == 23_520_842  # the usual CIFAR ResNet-50 (torchvision blocks)
 
 
-# The large backbones' structure checks (15-20 s each on 2 cores) run in the slow step.
+# The large backbones' structure checks (the longest here: seconds to compile each) run in the
+# slow step.
 _SLOW_BACKBONES = {"mobilenet_v2", "resnet50", "shufflenet", "shufflenet_v2", "squeezenet"}
 
 
