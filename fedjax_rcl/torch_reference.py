@@ -301,9 +301,9 @@ def build_model(model_name: str, *, num_classes: int = 10, in_channels: int = 3,
     ``stage_sizes`` and ``width`` shape the ResNet (see :class:`ResNet18`; ``(1, 1, 1, 1)`` and
     16 are our ``resnet10`` at ``width: 16``); the CNN ignores them.
 
-    channels_last is PyTorch's fastest CPU layout for the ResNet (BENCHMARKS.md) and no
-    slower for the CNN (measured: 6.7 vs 7.0 ms per FedRCL forward+backward, one thread), and our
-    NHWC batches permuted to NCHW are channels_last already, so inputs need no copy.
+    channels_last is PyTorch's fastest CPU layout for the ResNet and no slower for the CNN
+    (BENCHMARKS.md, "Figures behind the code's choices"), and our NHWC batches permuted to NCHW
+    are channels_last already, so inputs need no copy.
     """
     _require_torch()
     if model_name == "cnn":
