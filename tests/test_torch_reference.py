@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 torch = pytest.importorskip(
-    "torch", reason="PyTorch is a benchmark-only dependency (pip install torch==2.13.0)"
+    "torch", reason="PyTorch is a benchmark-only dependency (pip install -e '.[bench]')"
 )
 
 import jax  # noqa: E402
