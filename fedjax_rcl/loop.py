@@ -67,7 +67,7 @@ class Stage:
       total: the step count at the end.
       every: steps per block (one evaluation and one metrics line per block).
       checkpoint_every: save at the first block end at least this many steps after the last
-        save (0: only at the end).
+        save (0: only at the stage's end; a new run's step 0 is saved by its caller).
       advance: ``(state, done, n) -> (state, out)``: the next ``n`` steps after ``done`` and
         their evaluation, fetched to the host explicitly.
       record: ``(state, out, done, n, block_s, elapsed_s) -> dict``: the metrics line for the

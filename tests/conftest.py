@@ -38,7 +38,7 @@ def toy_dataset(n_train=240, n_test=80, size=16, classes=4, seed=0) -> ImageData
 
 # Flags for XLA:CPU in the tests. They compile hundreds of small programs and run each for
 # milliseconds to seconds, so XLA's full LLVM optimisation and its new fusion emitters cost
-# more than they save: a FedAvg round of MOON's CNN compiles in 1.6 s instead of 5.5 s, and
+# more than they save: a FedAvg round of MOON's CNN compiles about 3x faster, and
 # the slow step (-m slow, long end-to-end runs) takes less time in all, though its MFCL runs,
 # the most compute-bound, take longer (BENCHMARKS.md, "Figures behind the code's choices").
 # Level 1, not 0: at level 0 a MOON round moved its output by 2e-4 when the global weights

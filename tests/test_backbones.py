@@ -104,7 +104,7 @@ def _drawn_like(shapes, seed=0):
     """Weights of the initialiser's shapes drawn with NumPy (He-scaled kernels, vectors near 1).
     The structure checks need weights that make every block matter, not the initialiser's
     values; the initialiser is traced (``eval_shape``: every layer's shapes and the count), not
-    compiled, which for these backbones took 10-15 s of each check."""
+    compiled, which for these backbones was most of each check's time."""
     rng = np.random.default_rng(seed)
 
     def one(s):

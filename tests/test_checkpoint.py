@@ -124,8 +124,8 @@ def test_non_finite_loss_stops_cleanly_naming_round_and_client(tmp_path, capsys)
     assert not metrics.exists() or metrics.read_text().strip() == ""
 
 
-# The signal and SIGKILL trials start 34 processes: FedAvg traces in about 1.5 s less a process
-# than FedRCL and checkpoints the same kind of state (parameters, optimizer, keys, round).
+# The signal and SIGKILL trials start 34 processes: FedAvg traces faster than FedRCL and
+# checkpoints the same kind of state (parameters, optimizer, keys, round).
 SIGNAL_TRIALS = ["algorithm=fedavg"]
 
 
@@ -136,7 +136,7 @@ def _cli(*args):
 def _resume_as_the_cli(run, env):
     """``fedjax-rcl resume RUN`` after a signal: the command line's own entry point, run in
     this process when it computes on the CPU as the signalled subprocesses do (an interpreter
-    start and JAX's import are ~4 s a trial), else in a CPU subprocess."""
+    start and JAX's import would cost each trial seconds), else in a CPU subprocess."""
     if jax.default_backend() == "cpu":
         assert main(["resume", str(run), "--no-progress"]) == 0
     else:
@@ -273,7 +273,7 @@ def test_sigint_and_sigterm_at_any_moment_exit_cleanly_and_resume_exactly(tmp_pa
 @pytest.mark.slow
 def test_checkpoints_from_before_the_registry_still_resume_identically(reference, tmp_path):
     """A checkpoint in the older layout (no server message) with the older config digest, as
-    runs written before 2026-11-24 hold them, resumes to the uninterrupted run's result."""
+    this repository's earlier runs hold them, resumes to the uninterrupted run's result."""
     from fedjax_rcl.checkpoint import Checkpointer
     from fedjax_rcl.config import legacy_config_digest
     from fedjax_rcl.training import ServerStateBeforeMessages

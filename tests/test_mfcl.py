@@ -337,26 +337,3 @@ def test_tn_variance_reaches_the_client_module():
     single = {v: np.asarray(client_encoder(e)(params, state)(pairs, False))
               for v, e in exps.items()}
     np.testing.assert_allclose(single["views"], single["pooled"], rtol=1e-6, atol=1e-6)
-
-
-@pytest.mark.slow
-def test_tn_pairing_tool_reproduces_the_runs_probe_on_single_images(finished):
-    """tools/mfcl_tn_pairing.py restores a finished TN run's servers and, on single images,
-    reads the run's own probe (trained server) and control (random server); its other forms
-    probe the same servers on twin-normalised pairs."""
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
-    from mfcl_tn_pairing import FORMS, _pairing
-
-    run, _, _ = finished
-    got = _pairing(run)["probes"]
-    probe = _rows(run)[-1]
-    assert set(got) == {f"{s}/{f}" for s in ("trained", "random") for f in FORMS}
-    # The same features up to XLA's fusion: at most a prediction or two may differ.
-    assert got["trained/single"]["accuracy"] == pytest.approx(
-        probe["linear_probe_accuracy"], abs=0.01)
-    assert got["random/single"]["accuracy"] == pytest.approx(
-        probe["control_random_server_accuracy"], abs=0.01)
-    assert got["trained/paired"]["accuracy"] != got["trained/single"]["accuracy"]

@@ -129,7 +129,7 @@ def test_hand_count_reproduces_the_reference_resnet18():
 
 
 @pytest.mark.parametrize("name,stages,width", [
-    # The two that took 50-70 s on 2 cores (2026-11-25) run in the slow step.
+    # The two slowest to check run in the slow step.
     ("resnet10", (1, 1, 1, 1), 64),
     pytest.param("resnet10", (1, 1, 1, 1), 16, marks=pytest.mark.slow),
     ("resnet18", (2, 2, 2, 2), 16),
@@ -158,7 +158,8 @@ def test_width_is_refused_for_the_cnn():
 @pytest.mark.parametrize("partitionable", [False, True])
 def test_model_fns_init_uses_the_chosen_threefry_layout(partitionable):
     """``init_threefry_partitionable=true`` reproduces the initial weights of runs started
-    before 84cb623 (JAX's default layout); the default is the non-partitionable one."""
+    started with JAX's default layout (this repository's earlier runs); the default is the
+    non-partitionable one."""
     import chex
 
     from fedjax_rcl.models.base import model_fns

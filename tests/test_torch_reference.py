@@ -1,4 +1,4 @@
-"""The PyTorch reference of the benchmark (``tools/torch_reference.py``) does our work exactly.
+"""The PyTorch reference of the benchmark (``fedjax_rcl.torch_reference``) does our work exactly.
 
 A speed comparison is only fair if both sides compute the same thing. On the same weights (our
 Flax params copied into the torch models) and the same inputs, these tests check that the torch
@@ -15,13 +15,13 @@ import numpy as np
 import pytest
 
 torch = pytest.importorskip(
-    "torch", reason="PyTorch is a benchmark-only dependency (pip install torch==2.13.0)"
+    "torch", reason="PyTorch is a benchmark-only dependency (pip install -e '.[bench]')"
 )
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-import torch_reference as tr  # noqa: E402  (tools/ is on pytest's pythonpath: pyproject.toml)
 
+from fedjax_rcl import torch_reference as tr  # noqa: E402
 from fedjax_rcl.algorithms import Batch, LocalContext  # noqa: E402
 from fedjax_rcl.algorithms.fedavg import cross_entropy  # noqa: E402
 from fedjax_rcl.algorithms.fedrcl import fedrcl  # noqa: E402

@@ -1,6 +1,6 @@
 """Seconds per round and client-parallel scaling of the compiled round, against the same round
 run client by client (a Python loop over the jitted local update) and against a PyTorch eager
-implementation of the same client update (``tools/torch_reference.py``).
+implementation of the same client update (``fedjax_rcl.torch_reference``).
 
     pip install -e ".[bench]"          # PyTorch 2.13 (CPU), only for this benchmark
     python tools/bench_round.py        # full table (CNN and ResNet-18) -> benchmarks/HISTORY.md
@@ -94,7 +94,7 @@ def forward_flops_per_image(model: str, algorithm: str) -> float:
     number for every mode so GFLOP/s compare across rows. (Tables before 2026-11-23 counted the
     JAX rows with XLA's cost analysis, which skips multiply-adds on padding: 970 vs 1111 MFLOP
     for ResNet-18.)"""
-    import torch_reference  # its FLOP counts need no PyTorch (tools/ is the script's folder)
+    from fedjax_rcl import torch_reference  # its FLOP counts need no PyTorch
 
     name, _, width = model.partition(":")  # "resnet10:16": ResNet-10 at width 16
     try:
@@ -123,7 +123,7 @@ def worker(spec: dict) -> dict:
     out = {**spec, "steps": steps, "batch": batch,
            "fwd_flops_per_image": forward_flops_per_image(spec["model"], algorithm)}
     if mode == "torch":
-        import torch_reference
+        from fedjax_rcl import torch_reference
 
         data = fake_cifar(num_clients * per_client)
         import torch

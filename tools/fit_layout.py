@@ -12,23 +12,19 @@ its speed as a fraction of the best measured layout (the acceptance: >= 0.95). T
 threshold ``layout.fit_threshold`` derives from the table (the geometric mean of the largest
 step whose best compiled layout is side by side and the smallest whose best is one at a time),
 beside the one the package uses. A model whose two compiled layouts are within 5 % of each
-other at every client count constrains nothing.
+other at every client count constrains nothing. The analysis is
+``fedjax_rcl.engine.layout.analyse_table``; this script counts the GFLOP and prints the table.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-
-# The two layouts the default can choose between, as bench_round names them.
-SIDE, APART = "side-by-side", "one-at-a-time"
-TOLERANCE = 0.95
 
 
 def step_gflop(spec: str, batch: int) -> float:
@@ -46,52 +42,16 @@ def step_gflop(spec: str, batch: int) -> float:
     return training_step_gflop(m, params, state, (32, 32, 3), batch)
 
 
-def platform_of(machine: str) -> str:
-    for p in ("gpu", "tpu", "cpu"):
-        if f", {p}," in machine or f", {p} (" in machine or machine.startswith(p):
-            return p
-    if "NVIDIA" in machine or "H100" in machine or "H200" in machine:
-        return "gpu"
-    return "cpu"
-
-
 def analyse(doc: dict, platform: str | None = None) -> dict:
-    """``{"platform", "models": {spec: {...}}, "fitted", "threshold"}`` for one results file."""
+    """``fedjax_rcl.engine.layout.analyse_table`` with the models' step GFLOP counted here."""
     from fedjax_rcl.engine import layout
 
-    platform = platform or platform_of(doc.get("machine", ""))
-    rows = [r for r in doc["rows"] if r.get("precision", "fp32") == "fp32"
-            and r["mode"] != "torch" and r.get("round_s")]
-    models: dict[str, dict] = {}
-    for r in rows:
-        m = models.setdefault(r["model"], {"batch": r["batch"], "speed": {}})
-        m["speed"].setdefault(r["clients"], {})[r["mode"]] = r["client_steps_per_s"]
-    for spec, m in models.items():
-        m["gflop"] = step_gflop(spec, m["batch"])
-        default = SIDE if layout.side_by_side(m["gflop"], platform) else APART
-        m["default"] = default
-        m["ratio"], worst = {}, {SIDE: math.inf, APART: math.inf}
-        for k, speeds in sorted(m["speed"].items()):
-            best = max(speeds.values())
-            # With "vmap" rows (the default of the code that ran) standing for a layout: skip.
-            if default in speeds:
-                m["ratio"][k] = speeds[default] / best
-            if k > 1 and SIDE in speeds and APART in speeds:
-                for lay in (SIDE, APART):
-                    worst[lay] = min(worst[lay], speeds[lay] / max(speeds[SIDE], speeds[APART]))
-        if math.isinf(worst[SIDE]):
-            m["verdict"] = None
-        elif worst[SIDE] >= TOLERANCE and worst[APART] >= TOLERANCE:
-            m["verdict"] = "either"
-        else:
-            m["verdict"] = SIDE if worst[SIDE] >= worst[APART] else APART
-    fitted = layout.fit_threshold({m["gflop"]: m["verdict"] == SIDE for m in models.values()
-                                   if m["verdict"] in (SIDE, APART)})
-    return {"platform": platform, "machine": doc.get("machine", ""), "models": models,
-            "fitted": fitted, "threshold": layout.SIDE_BY_SIDE_BELOW_GFLOP.get(platform)}
+    return layout.analyse_table(doc, step_gflop, platform)
 
 
 def markdown(result: dict) -> str:
+    from fedjax_rcl.engine.layout import APART, SIDE
+
     modes = [SIDE, "side-by-side-patches", APART, "sequential"]
     lines = [f"Machine: {result['machine']}", "",
              "| model | step GFLOP | clients | " + " | ".join(modes)
@@ -124,8 +84,9 @@ def main(argv=None) -> int:
                     help="default: read from the files' machine line")
     ap.add_argument("--md", type=Path, help="also write the table here")
     args = ap.parse_args(argv)
-    docs = [json.loads(p.read_text()) for p in args.json]
-    doc = dict(docs[0], rows=[r for d in docs for r in d["rows"]])
+    from fedjax_rcl.engine.layout import merge_tables
+
+    doc = merge_tables([json.loads(p.read_text()) for p in args.json])
     text = markdown(analyse(doc, args.platform))
     print(text)
     if args.md:

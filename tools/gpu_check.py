@@ -59,6 +59,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # the package, for the stages' merge and the summary's fit
 
 
 def _log(out: Path, text: str) -> None:
@@ -95,11 +96,10 @@ def _install_wheels(out: Path, env: dict) -> None:
 def _merge_layouts(paths: list[Path], dest: Path) -> None:
     """One ``layouts.json`` from the stages' files (each stage is one ``bench_round.py`` run;
     a stage stopped at its limit wrote nothing and adds nothing)."""
-    docs = [json.loads(p.read_text()) for p in paths]
-    if docs:
-        rows = [dict(r, stage=int(p.stem))
-                for p, d in zip(paths, docs, strict=True) for r in d["rows"]]
-        merged = dict(docs[0], rows=rows)
+    from fedjax_rcl.engine.layout import merge_tables
+
+    merged = merge_tables([json.loads(p.read_text()) for p in paths], [int(p.stem) for p in paths])
+    if merged is not None:
         dest.write_text(json.dumps(merged, indent=1))
 
 

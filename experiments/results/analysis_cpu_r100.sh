@@ -3,7 +3,7 @@
 # 0.3, seed 0): FedAvg, FedSCL, FedRCL with the reference loss and in the paper's form; the
 # global model's and the next round's first client's local model's penultimate features on
 # 1,000 class-balanced test images every 5 rounds (effective rank, VCI and the measures that
-# keep the mean: experiments/results/rank_under_collapse.md). Resumes a stopped run and skips a
+# keep the mean: experiments/rank_under_collapse/README.md). Resumes a stopped run and skips a
 # finished one (its checkpoints are not kept). Then the report:
 # experiments/results/report_analysis_r100 (report.md, collapse.png).
 set -eu

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -28,7 +28,7 @@ from fedjax_rcl.data.augment import augment_batch, normalize
 from fedjax_rcl.data.device import ClientData
 from fedjax_rcl.engine.algorithm import Batch, ClientAlgorithm, LocalContext
 from fedjax_rcl.models.base import ModelFns, ModelState
-from fedjax_rcl.types import ClientState, Params, PRNGKey
+from fedjax_rcl.types import ClientState, Metrics, Params, PRNGKey
 
 
 def client_optimizer(learning_rate: float, *, clip_norm: float | None, weight_decay: float,
@@ -203,10 +203,18 @@ def own_accuracy(model: ModelFns, settings: LocalTraining, params: Params,
     return jnp.sum(jax.lax.map(one, jnp.arange(chunks))) / size
 
 
+# ``local_update(global_params, global_model_state, client_state, key, indices, size,
+# round_index, data, message) -> (params, model_state, new_client_state, metrics)``: one
+# client's local training (``make_local_update``).
+LocalUpdate = Callable[
+    [Params, ModelState, ClientState, PRNGKey, jax.Array, jax.Array, jax.Array, ClientData, Any],
+    tuple[Params, ModelState, ClientState, Metrics]]
+
+
 def make_local_update(model: ModelFns, algorithm: ClientAlgorithm,
                       optimizer: optax.GradientTransformation, settings: LocalTraining, *,
                       penalty: Callable[[Params, Params], jax.Array] | None = None,
-                      penalty_name: str = "server_penalty"):
+                      penalty_name: str = "server_penalty") -> LocalUpdate:
     """Builds ``local_update`` for one client.
 
     Args:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -14,7 +14,8 @@ from fedjax_rcl.models.base import ModelFns, ModelState
 from fedjax_rcl.types import Metrics, Params
 
 
-def make_evaluate(model: ModelFns, *, mean: Sequence[float], std: Sequence[float]):
+def make_evaluate(model: ModelFns, *, mean: Sequence[float], std: Sequence[float]
+                  ) -> Callable[[Params, ModelState, TestData], Metrics]:
     """Builds ``evaluate(params, model_state, test) -> {"accuracy", "loss"}`` on every test
     sample (the model in evaluation mode).
 

@@ -6,8 +6,8 @@ operation runs once for all clients, with per-client weights) or one after anoth
 same compiled program (``clients_in_parallel=1``). Which is faster depends on how much work one
 client's step already gives the machine:
 
-* a small client step (MOON's CNN: ~0.1 GFLOP) leaves the cores or the GPU mostly idle between
-  operations, and side by side runs many clients for the price of one;
+* a small client step (MOON's CNN: 0.196 GFLOP at batch 50) leaves the cores or the GPU mostly
+  idle between operations, and side by side runs many clients for the price of one;
 * a large one (a ResNet, pfl-research's CNN) already keeps the machine busy; side by side then
   buys nothing and costs memory and cache, and on a GPU its per-client weights turn every
   convolution into a grouped convolution, which runs far below the dense one's speed.
@@ -16,7 +16,8 @@ The model: clients run side by side iff one client's training step (forward and 
 batch, ``3 x`` the forward FLOPs) costs less than ``SIDE_BY_SIDE_BELOW_GFLOP[platform]``. The
 thresholds are fitted to the layout tables in BENCHMARKS.md ("Which client layout") by
 ``tools/fit_layout.py``: the geometric mean of the largest step measured fastest side by side and
-the smallest measured fastest one at a time. The FLOPs are counted from the model's own
+the smallest measured fastest one at a time (``analyse_table`` reads such a table). The FLOPs
+are counted from the model's own
 program (its convolutions and matrix products), so a new model needs no flag.
 
 A cost model rather than a timed probe: the choice is deterministic (the two layouts can differ
@@ -27,7 +28,7 @@ no compile.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 
 import jax
 import numpy as np
@@ -121,3 +122,78 @@ def fit_threshold(best: dict[float, bool]) -> float | None:
     if not together or not apart or max(together) >= min(apart):
         return None
     return math.sqrt(max(together) * min(apart))
+
+
+# The two layouts the default chooses between, as ``tools/bench_round.py`` names its modes.
+SIDE, APART = "side-by-side", "one-at-a-time"
+# A compiled layout within this fraction of the faster one at every client count counts as
+# fastest too ("either").
+TOLERANCE = 0.95
+
+
+def platform_of(machine: str) -> str:
+    """The platform (``cpu``, ``gpu``, ``tpu``) of a benchmark table's ``machine`` line."""
+    for p in ("gpu", "tpu", "cpu"):
+        if f", {p}," in machine or f", {p} (" in machine or machine.startswith(p):
+            return p
+    if "NVIDIA" in machine or "H100" in machine or "H200" in machine:
+        return "gpu"
+    return "cpu"
+
+
+def merge_tables(docs: Sequence[Mapping], stages: Sequence[int] | None = None) -> dict | None:
+    """One layout table from several ``tools/bench_round.py --json`` results of one machine
+    (measured in stages): the first's header, every row in order, each tagged with ``stage``,
+    the stage that measured it (``stages``, one per result; default: the result's index).
+    None when there is none (no stage finished)."""
+    if not docs:
+        return None
+    stages = range(len(docs)) if stages is None else stages
+    rows = [dict(r, stage=k) for k, d in zip(stages, docs, strict=True) for r in d["rows"]]
+    return dict(docs[0], rows=rows)
+
+
+def analyse_table(doc: Mapping, step_gflop: Callable[[str, int], float],
+                  platform: str | None = None) -> dict:
+    """Which layout is fastest for each model of a measured table, and the threshold fitted to
+    it.
+
+    ``doc`` is a ``tools/bench_round.py --json`` result (``machine`` and ``rows`` of ``model``,
+    ``clients``, ``mode``, ``batch``, ``client_steps_per_s``; float32 rows only are read);
+    ``step_gflop(model, batch)`` is one client's training-step GFLOP. Per model: the speeds by
+    client count and mode, ``gflop``, the layout the cost model picks (``default``), its speed
+    over the best measured one per client count (``ratio``), and the ``verdict``: the compiled
+    layout within ``TOLERANCE`` of the faster one at every client count above 1 (``"either"``
+    when both are, None when the two were not both measured). ``fitted`` is ``fit_threshold``
+    over the models with a verdict; ``threshold`` the package's for the platform.
+    """
+    platform = platform or platform_of(doc.get("machine", ""))
+    rows = [r for r in doc["rows"] if r.get("precision", "fp32") == "fp32"
+            and r["mode"] != "torch" and r.get("round_s")]
+    models: dict[str, dict] = {}
+    for r in rows:
+        m = models.setdefault(r["model"], {"batch": r["batch"], "speed": {}})
+        m["speed"].setdefault(r["clients"], {})[r["mode"]] = r["client_steps_per_s"]
+    for spec, m in models.items():
+        m["gflop"] = step_gflop(spec, m["batch"])
+        default = SIDE if side_by_side(m["gflop"], platform) else APART
+        m["default"] = default
+        m["ratio"], worst = {}, {SIDE: math.inf, APART: math.inf}
+        for k, speeds in sorted(m["speed"].items()):
+            best = max(speeds.values())
+            # With "vmap" rows (the default of the code that ran) standing for a layout: skip.
+            if default in speeds:
+                m["ratio"][k] = speeds[default] / best
+            if k > 1 and SIDE in speeds and APART in speeds:
+                for lay in (SIDE, APART):
+                    worst[lay] = min(worst[lay], speeds[lay] / max(speeds[SIDE], speeds[APART]))
+        if math.isinf(worst[SIDE]):
+            m["verdict"] = None
+        elif worst[SIDE] >= TOLERANCE and worst[APART] >= TOLERANCE:
+            m["verdict"] = "either"
+        else:
+            m["verdict"] = SIDE if worst[SIDE] >= worst[APART] else APART
+    fitted = fit_threshold({m["gflop"]: m["verdict"] == SIDE for m in models.values()
+                            if m["verdict"] in (SIDE, APART)})
+    return {"platform": platform, "machine": doc.get("machine", ""), "models": models,
+            "fitted": fitted, "threshold": SIDE_BY_SIDE_BELOW_GFLOP.get(platform)}

@@ -22,6 +22,7 @@ metrics in a buffer of static length ``capacity``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -33,10 +34,11 @@ from jax.sharding import PartitionSpec as P
 
 from fedjax_rcl.data.device import ClientData
 from fedjax_rcl.engine.algorithm import ClientAlgorithm
+from fedjax_rcl.engine.client import LocalUpdate
 from fedjax_rcl.models.base import ModelState
 from fedjax_rcl.server.aggregate import client_weights, weighted_mean
 from fedjax_rcl.server.optimizers import ServerOptimizer
-from fedjax_rcl.types import ClientState, Params, PRNGKey
+from fedjax_rcl.types import ClientState, Metrics, Params, PRNGKey
 
 # The mesh axis that clients are sharded over.
 CLIENTS = "clients"
@@ -68,6 +70,16 @@ class ServerState:
     round: jax.Array
     key: PRNGKey
     message: Any = ()
+
+
+# ``round_rows(state, data, rows) -> (state, metrics, new_rows)`` (``make_round``): one round
+# on the sampled clients' state rows.
+RoundRows = Callable[[ServerState, ClientData, ClientState],
+                     tuple[ServerState, Metrics, ClientState]]
+# ``run_round(state, data) -> (state, metrics)``: one round, the client table included.
+RunRound = Callable[[ServerState, ClientData], tuple[ServerState, Metrics]]
+# ``run_rounds(state, data, n) -> (state, metrics)`` (``make_run_rounds``): ``n`` rounds fused.
+RunRounds = Callable[[ServerState, ClientData, jax.Array], tuple[ServerState, Metrics]]
 
 
 def init_server_state(params: Params, model_state: ModelState, algorithm: ClientAlgorithm,
@@ -124,10 +136,10 @@ def cohort_layout(m: int, devices: int, clients_in_parallel: int | None) -> tupl
     return -(-m // k), k
 
 
-def make_round(local_update, server_opt: ServerOptimizer, *, num_clients: int,
-               server_message=None,
+def make_round(local_update: LocalUpdate, server_opt: ServerOptimizer, *, num_clients: int,
+               server_message: Callable[[Any], Any] | None = None,
                participation: float, aggregation: str, mesh: Mesh | None = None,
-               clients_in_parallel: int | None = None):
+               clients_in_parallel: int | None = None) -> RoundRows:
     """Builds the round as a pure function of the sampled clients' state rows; a table
     strategy (``engine.tables``) supplies the rows and keeps the new ones.
 
@@ -198,7 +210,8 @@ def make_round(local_update, server_opt: ServerOptimizer, *, num_clients: int,
         start = server_opt.start(state.params, state.opt_state)
         return train(start, state.model_state, state.round, data, state.message, xs)
 
-    def round_rows(state: ServerState, data: ClientData, rows):
+    def round_rows(state: ServerState, data: ClientData,
+                   rows: ClientState) -> tuple[ServerState, Metrics, ClientState]:
         sampled = sample_clients(state.key, state.round, num_clients, m)
         valid = jnp.arange(padded) < m
         clients = jnp.zeros((padded,), jnp.int32).at[:m].set(sampled)  # pads train client 0
@@ -231,14 +244,15 @@ def make_round(local_update, server_opt: ServerOptimizer, *, num_clients: int,
     return round_rows
 
 
-def make_run_rounds(run_round, capacity: int):
+def make_run_rounds(run_round: RunRound, capacity: int) -> RunRounds:
     """Fuses up to ``capacity`` rounds: ``run_rounds(state, data, n) -> (state, metrics)``.
 
     ``metrics`` leaves are ``[capacity, ...]``; entries ``0..n-1`` hold rounds
     ``state.round .. state.round + n - 1``, the rest are zeros.
     """
 
-    def run_rounds(state: ServerState, data: ClientData, n: jax.Array):
+    def run_rounds(state: ServerState, data: ClientData,
+                   n: jax.Array) -> tuple[ServerState, Metrics]:
         shapes = jax.eval_shape(run_round, state, data)[1]
         buffers = jax.tree.map(lambda s: jnp.zeros((capacity, *s.shape), s.dtype), shapes)
 

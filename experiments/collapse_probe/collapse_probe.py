@@ -11,7 +11,8 @@ eval mode:
 * the stem normalisation's scale and shift (GroupNorm's gamma and beta): the mean |gamma| and
   the mean |beta|, since one way to collapse the stem level is a shift that swamps the signal.
 
-    python tools/collapse_probe.py experiments/runs/fidelity_cpu/fedrcl-a0.3 [RUN_DIR ...]
+    python experiments/collapse_probe/collapse_probe.py \\
+        experiments/runs/fidelity_cpu/fedrcl-a0.3 [RUN_DIR ...]
 
 Prints one JSON object per run (and ``--out FILE`` writes them as a JSON list).
 """
@@ -25,15 +26,6 @@ from pathlib import Path
 import numpy as np
 
 
-def mean_pairwise_cosine(x: np.ndarray) -> float:
-    """Mean of ``cos(x_i, x_j)`` over pairs ``i != j``: ``[N, D] -> []``."""
-    x = np.asarray(x, np.float64)
-    x = x / np.maximum(np.linalg.norm(x, axis=1, keepdims=True), 1e-12)
-    n = len(x)
-    s = x.sum(axis=0)
-    return float((s @ s - n) / (n * (n - 1)))
-
-
 def probe(run_dir: str, images: int) -> dict:
     import jax
 
@@ -41,6 +33,7 @@ def probe(run_dir: str, images: int) -> dict:
     from fedjax_rcl.metrics import (
         class_covariance_traces,
         effective_rank,
+        mean_pairwise_cosine,
         variability_collapse_index,
     )
     from fedjax_rcl.training import load_run, state_from_checkpoint

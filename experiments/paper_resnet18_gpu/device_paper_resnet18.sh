@@ -12,16 +12,16 @@
 #   tar cf - -C /tmp/c10 --sort=name train test | xz -9e > .devdata/cifar10.tar.xz
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 -d .whl omegaconf==2.4.0
 #   # there (carry .devdata and .whl):
-#   SECONDS_PER_RUN=400 bash tools/device_paper_resnet18.sh
+#   SECONDS_PER_RUN=400 bash experiments/paper_resnet18_gpu/device_paper_resnet18.sh
 #   # issue 28 item 5, one run a call (500 rounds in bf16, one client at a time, evaluated
 #   # every 10 rounds: 306-314 s with compiling on an H200, ~375 s a call with start-up; two
 #   # calls fit one 15-minute lease if the second follows at once on the warm machine):
 #   ONLY=fedavg SECONDS_PER_RUN=420 EXTRA="precision=bf16 rounds=500 eval_every=10" \
-#     bash tools/device_paper_resnet18.sh
+#     bash experiments/paper_resnet18_gpu/device_paper_resnet18.sh
 #
 # The decoded images are byte-identical to the zip's (checked: every array equal, and the named
 # CIFAR-10 mean/std recognised from the folder as from the zip). Results: $OUT/<run>.jsonl,
-# $OUT/<run>.log; experiments/results/paper_resnet18_gpu.md records what came back.
+# $OUT/<run>.log; experiments/paper_resnet18_gpu/README.md records what came back.
 set -u
 OUT=${OUT:-/tmp/out}
 SECONDS_PER_RUN=${SECONDS_PER_RUN:-400}

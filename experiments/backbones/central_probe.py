@@ -2,12 +2,12 @@
 settings of learning rate and momentum from one initialisation, with the clipping and weight
 decay of the federated runs (clip 10, weight decay 1e-3), batch 50.
 
-    python tools/central_probe.py MODEL STEPS LR,MOMENTUM [LR,MOMENTUM ...]
-    python tools/central_probe.py shufflenet 60 0.003,0 0.01,0.9 0.001,0.9
+    python experiments/backbones/central_probe.py MODEL STEPS LR,MOMENTUM [LR,MOMENTUM ...]
+    python experiments/backbones/central_probe.py shufflenet 60 0.003,0 0.01,0.9 0.001,0.9
 
 Prints the training loss every 10 steps, the mean of the last 10, and the accuracy on the last
 400 training images (a sanity check, not a result). Used to tell a model that cannot learn
-(a bug) from a learning rate that does not suit it (experiments/results/backbones/README.md).
+(a bug) from a learning rate that does not suit it (experiments/backbones/README.md).
 """
 
 from __future__ import annotations

@@ -19,7 +19,9 @@ module's output for the probe's training and test images:
 or with a twin); ``paired`` against ``views`` the augmentation of the probed image. Views are
 drawn from the run's seed, the same for both servers.
 
-Usage: ``python tools/mfcl_tn_pairing.py RUN_DIR [--out FILE.json]`` (prints a table).
+Usage (from the repository root; prints a table)::
+
+    python experiments/mfcl_xi/mfcl_tn_pairing.py RUN_DIR [--out FILE.json]
 """
 
 from __future__ import annotations
@@ -29,7 +31,20 @@ import sys
 from pathlib import Path
 
 FORMS = ("single", "paired", "views")
-_FORM_STREAM = 17  # the views' key stream (the run's own use 11-16)
+# Streams of the run's root key, as ``fedjax-rcl mfcl`` draws them: the probe's held-out split
+# and the random server network of the control probe (15, 16); the views drawn here take the
+# next one (the run's own use 11-16). The check that these match the run: ``trained/single``
+# and ``random/single`` reproduce the run's own ``linear_probe_accuracy`` and
+# ``control_random_server_accuracy`` (its metrics.jsonl) up to XLA's fusion.
+_PROBE_STREAM, _CONTROL_STREAM, _FORM_STREAM = 15, 16, 17
+
+
+def _padded(rows, chunk: int):
+    """``rows`` (at most ``chunk``) padded to ``chunk`` by repeating the last: one compiled
+    shape for every block."""
+    import numpy as np
+
+    return np.concatenate([rows, np.repeat(rows[-1:], chunk - len(rows), 0)])
 
 
 def _pairing(run_dir: Path) -> dict:
@@ -43,13 +58,7 @@ def _pairing(run_dir: Path) -> dict:
     from fedjax_rcl.loop import resume_config
     from fedjax_rcl.mfcl import phase2
     from fedjax_rcl.mfcl.probe import lbfgs_probe
-    from fedjax_rcl.mfcl.run import (
-        _CONTROL_STREAM,
-        _PROBE_STREAM,
-        ClientEncoder,
-        _padded,
-        mfcl_dataset,
-    )
+    from fedjax_rcl.mfcl.run import ClientEncoder, mfcl_dataset
     from fedjax_rcl.models.mfcl import ServerModel
 
     cfg = resume_config(run_dir, force=True)
@@ -105,7 +114,7 @@ def _pairing(run_dir: Path) -> dict:
         out = []
         for s in range(0, len(images), chunk):
             n = min(chunk, len(images) - s)
-            block, _ = _padded(images[s:s + chunk], chunk)  # one compiled shape; padding dropped
+            block = _padded(images[s:s + chunk], chunk)  # the padding is dropped below
             index = np.arange(offset + s, offset + s + chunk, dtype=np.int32)
             out.append(np.asarray(embed(variables, jnp.asarray(block), jnp.asarray(index),
                                         form))[:n])
@@ -142,7 +151,7 @@ def _table(results: list[dict]) -> str:
 
 
 def main(argv=None) -> int:
-    from run_dirs_cli import main_over_run_dirs  # tools/ is the script's directory
+    from run_dirs_cli import main_over_run_dirs  # a sibling: the script's directory
 
     return main_over_run_dirs("mfcl_tn_pairing", __doc__.splitlines()[0], _pairing, _table, argv)
 

@@ -1,4 +1,4 @@
-"""The table of experiments/results/mfcl_xi/run.sh (issue 30): MFCL's linear-probe top-1 with
+"""The table of experiments/mfcl_xi/run.sh (issue 30): MFCL's linear-probe top-1 with
 TN, GN and BN client modules at Dirichlet xi = 0.01 (seeds 0, 1, 2) and xi = 200 (seed 0),
 beside MFCL's Table 2 (CIFAR-10, M = 10), with the probe's train accuracy, both controls
 (a randomly initialised server network; raw pixels), the order each column shows, and the

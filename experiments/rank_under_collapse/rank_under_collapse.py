@@ -33,8 +33,8 @@ each run (its newest checkpoint, or ``RUN_DIR@ROUND`` for the newest at or befor
 point plus noise in a few directions (``aniso``), both at a tiny spread, to show what each
 metric does under an exact "point plus noise" collapse.
 
-    python tools/rank_under_collapse.py RUN_DIR[@ROUND] [...] [--images 2000] \\
-        [--cache DIR] [--json FILE] [--markdown FILE] [--synthetic]
+    python experiments/rank_under_collapse/rank_under_collapse.py RUN_DIR[@ROUND] [...] \\
+        [--images 2000] [--cache DIR] [--json FILE] [--markdown FILE] [--synthetic]
 
 Prints one JSON object per run and the Markdown tables. Run from the repository root (the run
 configs' dataset paths are relative to it). Features are cached in ``--cache`` as ``.npz``.
@@ -56,14 +56,6 @@ EMB_METRICS = ("erank", "erank_unc", "cos", "spread", "pc1", "pc90", "live", "vc
 
 def l2_rows(x: np.ndarray) -> np.ndarray:
     return x / np.maximum(np.linalg.norm(x, axis=1, keepdims=True), 1e-12)
-
-
-def mean_pairwise_cosine(x: np.ndarray) -> float:
-    """Mean of ``cos(x_i, x_j)`` over pairs ``i != j`` (uncentred rows)."""
-    x = l2_rows(x)
-    n = len(x)
-    s = x.sum(axis=0)
-    return float((s @ s - n) / (n * (n - 1)))
 
 
 def entropy_rank(eigenvalues: np.ndarray) -> float:
@@ -93,6 +85,7 @@ def feature_metrics(x: np.ndarray, y: np.ndarray, *, probe: bool = True) -> dict
     from fedjax_rcl.metrics import (
         class_covariance_traces,
         effective_rank,
+        mean_pairwise_cosine,
         variability_collapse_index,
     )
 

@@ -28,7 +28,9 @@ phase-1 client module) and measures, on the run's own training subset and split:
    too, so (a) is what the server could read off the representations it is sent, not what a
    probe on images of no client (the test set) can use.
 
-Usage: ``python tools/mfcl_bn_evidence.py RUN_DIR... [--out FILE.json]`` (prints a table).
+Usage (from the repository root; prints a table)::
+
+    python experiments/mfcl_xi/mfcl_bn_evidence.py RUN_DIR... [--out FILE.json]
 """
 
 from __future__ import annotations
@@ -61,13 +63,12 @@ def statistics_distance(mean_c, var_c, mean_r, var_r) -> tuple[float, float]:
 
 def between_share(x: np.ndarray, groups: np.ndarray) -> float:
     """The share of the total sum of squares of the rows of ``x`` [n, d] that lies between
-    the groups: ``sum_g n_g |m_g - m|^2 / sum_i |x_i - m|^2``."""
-    x = np.asarray(x, np.float64)
-    m = x.mean(0)
-    total = np.sum((x - m) ** 2)
-    between = sum(np.sum(groups == g) * np.sum((x[groups == g].mean(0) - m) ** 2)
-                  for g in np.unique(groups))
-    return float(between / total)
+    the groups: ``sum_g n_g |m_g - m|^2 / sum_i |x_i - m|^2``, the between-class trace's share
+    of the total with the groups as classes."""
+    from fedjax_rcl.metrics import class_covariance_traces
+
+    within, between = class_covariance_traces(x, groups)
+    return between / (within + between)
 
 
 def summarise(z: np.ndarray) -> np.ndarray:
@@ -181,7 +182,7 @@ def _table(results: list[dict]) -> str:
 
 
 def main(argv=None) -> int:
-    from run_dirs_cli import main_over_run_dirs  # tools/ is the script's directory
+    from run_dirs_cli import main_over_run_dirs  # a sibling: the script's directory
 
     return main_over_run_dirs("mfcl_bn_evidence", __doc__.splitlines()[0], _evidence, _table, argv)
 

@@ -31,17 +31,18 @@ channels_last, so the augmentation output needs no copy.
 
 Usage::
 
-    from tools.torch_reference import round_seconds, eval_seconds, forward_flops
+    from fedjax_rcl.torch_reference import round_seconds, eval_seconds, forward_flops
     round_seconds("resnet18", "fedrcl", clients=5, steps=5, epochs=1, data=dataset, repeats=1)
     eval_seconds("cnn", data=dataset)
     forward_flops("resnet18")            # FLOPs of one forward pass of one image
 
-    python tools/torch_reference.py --model cnn --algorithm fedrcl --steps 10 --epochs 1
+    python -m fedjax_rcl.torch_reference --model cnn --algorithm fedrcl --steps 10 --epochs 1
 
 ``data`` is a ``fedjax_rcl.data.ImageDataset`` or anything with its ``train_images``,
 ``train_labels`` (and, for evaluation, ``test_images``, ``test_labels``) attributes or keys; its
 ``mean``, ``std``, ``hflip`` and ``class_names`` are used when present. The FLOP counts need no
-PyTorch; everything else does (``pip install torch==2.13.0``).
+PyTorch; everything else does (``pip install fedjax-rcl[bench]``). It imports nothing
+else of the package, so that it stays an independent implementation of the same work.
 """
 
 from __future__ import annotations
@@ -83,7 +84,8 @@ _RESNET18_STAGES = (2, 2, 2, 2)
 
 def _require_torch() -> None:
     if torch is None:
-        raise ImportError("tools/torch_reference.py needs PyTorch: pip install torch==2.13.0")
+        raise ImportError("fedjax_rcl.torch_reference needs PyTorch: "
+                          "pip install 'fedjax-rcl[bench]'")
 
 
 # --------------------------------------------------------------------------------------------
@@ -299,9 +301,9 @@ def build_model(model_name: str, *, num_classes: int = 10, in_channels: int = 3,
     ``stage_sizes`` and ``width`` shape the ResNet (see :class:`ResNet18`; ``(1, 1, 1, 1)`` and
     16 are our ``resnet10`` at ``width: 16``); the CNN ignores them.
 
-    channels_last is PyTorch's fastest CPU layout for the ResNet (BENCHMARKS.md) and no
-    slower for the CNN (measured: 6.7 vs 7.0 ms per FedRCL forward+backward, one thread), and our
-    NHWC batches permuted to NCHW are channels_last already, so inputs need no copy.
+    channels_last is PyTorch's fastest CPU layout for the ResNet and no slower for the CNN
+    (BENCHMARKS.md, "Figures behind the code's choices"), and our NHWC batches permuted to NCHW
+    are channels_last already, so inputs need no copy.
     """
     _require_torch()
     if model_name == "cnn":

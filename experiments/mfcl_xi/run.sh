@@ -5,9 +5,9 @@
 # (experiments/mfcl/cpu_cifar10_xi.yaml), in the order that answers the question first (the
 # table's runs first, BN's two other readings for seeds 1 and 2 last); then the table
 # (table.md). A stopped run resumes where it stopped (either phase); a finished one is skipped.
-#   RUNS="batch-xi0.01-s0 twin-xi0.01-s0" bash experiments/results/mfcl_xi/run.sh   # some
+#   RUNS="batch-xi0.01-s0 twin-xi0.01-s0" bash experiments/mfcl_xi/run.sh   # some
 set -euo pipefail
-cd "$(dirname "$0")/../../.."
+cd "$(dirname "$0")/../.."
 # bnclient / bnbatch: the two other readings of BN (mfcl.bn_statistics=client, =batch) at
 # xi = 0.01. Phase 1 does not depend on the reading, so each branches from the BN run's
 # finished phase 1 (a copy of the run directory without its phase-2 checkpoints, resumed with
@@ -49,4 +49,4 @@ for name in ${RUNS:-$ALL}; do
       run_dir="$dir" --no-progress
   fi
 done
-python experiments/results/mfcl_xi/table.py
+python experiments/mfcl_xi/table.py

@@ -33,16 +33,16 @@ fresh per client per round, with ``unscale_`` before clipping as the authors do.
 Model and setting: ResNet-10 (one BasicBlock per stage), width 16, GroupNorm(2) -- our CPU-scale
 stand-in for the paper's ResNet-18 -- on real CIFAR-10 split over 100 clients by the reference's
 balanced Dirichlet(0.3); 5 clients per round (seeded), 5 local epochs of batch 50, lr 0.1 *
-0.998^(round + epoch), clip 10, weight decay 1e-3, uniform averaging (``tools/torch_reference.py``
+0.998^(round + epoch), clip 10, weight decay 1e-3, uniform averaging (``fedjax_rcl.torch_reference``
 mirrors our objectives and optimizer). The arms advance round by round together, so a run cut
 short by ``--cpu-budget-s`` leaves all arms at the same round; the JSON is rewritten after every
 round.
 
 Usage (one thread; 11 CPU minutes for the 5 rounds on a 2-core AVX2 EPYC; results and reading
-in ``experiments/results/amp_probe.md``)::
+in ``experiments/amp_probe/README.md``)::
 
-    OMP_NUM_THREADS=1 python tools/amp_probe.py --cpu-budget-s 1000 \
-        --out experiments/results/amp_probe.json
+    OMP_NUM_THREADS=1 python experiments/amp_probe/amp_probe.py --cpu-budget-s 1000 \
+        --out experiments/amp_probe/amp_probe.json
 """
 
 from __future__ import annotations
@@ -63,11 +63,12 @@ from pathlib import Path  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-import torch_reference as tr  # noqa: E402  (a sibling: tools/ is the script's folder)
 from torch.overrides import TorchFunctionMode  # noqa: E402
 from torch.utils._pytree import tree_map  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+from fedjax_rcl import torch_reference as tr  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
 
 FP16_MAX = 65504.0
 INIT_SCALE = 2.0**16
@@ -327,7 +328,7 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--dataset", default="imagefolder:" + os.environ.get(
         "CIFAR10_JPEG_ZIP", "data/cifar10-jpeg.zip"))
-    p.add_argument("--out", default=str(ROOT / "experiments/results/amp_probe.json"))
+    p.add_argument("--out", default=str(ROOT / "experiments/amp_probe/amp_probe.json"))
     p.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--num-clients", type=int, default=100)
@@ -362,7 +363,8 @@ def main(argv=None) -> None:
     num_classes = len(ds.class_names)
 
     result = {
-        "command": "OMP_NUM_THREADS=1 python tools/amp_probe.py " + " ".join(argv or sys.argv[1:]),
+        "command": "OMP_NUM_THREADS=1 python experiments/amp_probe/amp_probe.py "
+                   + " ".join(argv or sys.argv[1:]),
         "machine": machine(),
         "config": {**vars(a), "model": "resnet10 width 16 GroupNorm(2)", "model_kwargs": MODEL_KW,
                    "lr": 0.1, "lr_decay": 0.998, "clip_norm": 10.0, "weight_decay": 1e-3,
