@@ -106,12 +106,11 @@ def _adapters(data_dir: Path, width: int):
     """The data adapter and the model of the fidelity width, in their registries."""
     import numpy as np
     import torch.nn as nn
-    from PIL import Image
-
     from datasets.build import DATASET_REGISTRY
     from models.build import ENCODER_REGISTRY
     from models.resnet import BasicBlock
     from models.resnet_base import ResNet_base
+    from PIL import Image
 
     arrays = np.load(data_dir / "images.npz")
 
@@ -255,7 +254,7 @@ def run(checkout: str, data: str, algorithm: str, rounds: int, run_dir: str, wid
         state = torch.load(state_path, weights_only=False)
         trainer.model.load_state_dict(state["model"])
         trainer.start_round = state["rounds_done"]
-        np.random.set_state(state["numpy"])
+        np.random.set_state(state["numpy"])  # noqa: NPY002 (their code draws from it)
         torch.set_rng_state(state["torch"])
         random.setstate(state["python"])
         print(f"resuming {out.name} at round {state['rounds_done']}", flush=True)
@@ -284,7 +283,8 @@ def run(checkout: str, data: str, algorithm: str, rounds: int, run_dir: str, wid
     state_path.parent.mkdir(parents=True, exist_ok=True)
     tmp = state_path.with_suffix(".tmp")
     torch.save({"model": trainer.model.state_dict(), "rounds_done": rounds,
-                "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+                "numpy": np.random.get_state(),  # noqa: NPY002 (their global generator)
+                "torch": torch.get_rng_state(),
                 "python": random.getstate()}, tmp)
     os.replace(tmp, state_path)
     print(f"{out.name}: rounds {rounds} done", flush=True)
