@@ -159,3 +159,26 @@ def test_accuracy_plot_title_names_the_split_clients_and_seed(tmp_path, monkeypa
     assert "Dirichlet alpha 0.3 · 100 clients · seed 2" in seen["title"]
     training.plot_run(tmp_path, CoreConfig(partition="iid", num_clients=20, seed=0))
     assert "IID · 20 clients · seed 0" in seen["title"]
+
+
+def test_a_suite_table_keeps_an_ema_at_another_cadence_out_of_the_papers_comparison(tmp_path):
+    """Three runs beside the paper's values, one evaluated every 10th round: its EMA is marked
+    † and left out of the rank correlation with the paper (two runs remain: none computed)."""
+    pytest.importorskip("matplotlib")
+    from fedjax_rcl import suite as suite_tool
+
+    for name, level, every in (("a", 0.2, 1), ("b", 0.4, 1), ("c", 0.5, 10)):
+        d = tmp_path / "runs" / name
+        d.mkdir(parents=True)
+        d.joinpath("metrics.jsonl").write_text("".join(
+            json.dumps({"round": r, "test_accuracy": level, "test_accuracy_ema": level}) + "\n"
+            for r in range(every, 31, every)))
+    suite = {"base": "base.yaml", "runs_dir": str(tmp_path / "runs"), "rounds": 30,
+             "report_rounds": [30], "runs": {"a": ["algorithm=fedavg"], "b": ["algorithm=fedrcl"],
+                                             "c": ["algorithm=moon"]},
+             "paper": {"a": {"500R": 70.0}, "b": {"500R": 80.0}, "c": {"500R": 75.0}}}
+    text = suite_tool.table(suite, tmp_path / "out")
+    assert "| c | algorithm=moon | 30 | 0.5000† |" in text
+    assert "| a | algorithm=fedavg | 30 | 0.2000 |" in text
+    assert "† Not evaluated every round" in text and text.count("†") == 2
+    assert "Spearman" not in text  # 2 runs left at the per-round cadence: too few to rank
