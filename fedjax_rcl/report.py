@@ -423,8 +423,8 @@ def table(runs: Sequence[Run], at: Sequence[int]) -> str:
     decays = sorted({x.config.get("ema_decay", 0.9) for x in runs})
     for r in at:
         lines += [f"EMA test accuracy at round {r} (decay {', '.join(f'{d:g}' for d in decays)} "
-                  f"per round, the paper's measure; in brackets: the best accuracy through "
-                  f"round {r}{seeds}):", "",
+                  "per round, the paper's measure as we read it; in brackets: the best "
+                  f"accuracy through round {r}{seeds}):", "",
                   "| method | " + " | ".join(settings) + " |",
                   "|---" * (len(settings) + 1) + "|"]
         for m in methods:
@@ -487,10 +487,10 @@ def analysis_table(runs: Sequence[Run], at: Sequence[int]) -> str:
 
 # What the curves of convergence.png are: its caption in report.md and on the figure.
 CONVERGENCE_CAPTION = (
-    "test accuracy over rounds, one panel per setting: thick, the EMA (the paper's measure, "
-    "decay per round); thin, the raw accuracy of each evaluation; with several seeds both are "
-    "the mean over them, and the shaded band is the EMA's mean ± one standard deviation over "
-    "the seeds (n in the legend)")
+    "test accuracy over rounds, one panel per setting: thick, the EMA (decay per round, the "
+    "paper's measure as we read it); thin, the raw accuracy of each evaluation; with several "
+    "seeds both are the mean over them, and the shaded band is the EMA's mean ± one standard "
+    "deviation over the seeds (n in the legend)")
 
 
 def _plots(runs: Sequence[Run], out: Path) -> list[Path]:
