@@ -253,6 +253,15 @@ def prior_accuracies(run_dir: Path, done: int) -> list[tuple[int, float]]:
     return [(x["round"], x["test_accuracy"]) for x in rows[-max(RECENT_WINDOWS):]]
 
 
+def ema_cadence(cfg) -> str:
+    """What the EMA of a run evaluated every ``k > 1`` rounds is, for its done line (empty
+    for ``k = 1``, where it is the paper's per-round EMA)."""
+    k = cfg.eval_every
+    return ("" if k == 1 else f" (evaluated every {k} rounds: {cfg.ema_decay:g}**{k} per "
+            "evaluation, the paper's per-round EMA only at eval_every=1; the means of the last "
+            "10 and 50 rounds in metrics.jsonl do not depend on it)")
+
+
 def split_text(cfg) -> str:
     """The split a run trains on, as titles name it: ``IID``, ``Dirichlet alpha 0.3`` (FedRCL's
     equal-size draw; MOON's is marked ``unequal sizes``) or ``2 shards a client``."""
@@ -313,8 +322,8 @@ def _run(exp: Experiment, run_dir: Path, ckpt: Checkpointer, state: ServerState,
         rate = (last - first) / elapsed
         log(f"done: rounds {first}..{last} in {elapsed:.1f} s ({rate:.2f} rounds/s, "
             f"compile {program.compile_s:.1f} s); test accuracy {record['test_accuracy']:.4f}, "
-            f"EMA {record['test_accuracy_ema']:.4f}; metrics in {run_dir / 'metrics.jsonl'}, "
-            f"plot {run_dir / 'accuracy.png'}")
+            f"EMA {record['test_accuracy_ema']:.4f}{ema_cadence(cfg)}; metrics in "
+            f"{run_dir / 'metrics.jsonl'}, plot {run_dir / 'accuracy.png'}")
     return {**record, "compile_s": program.compile_s, "run_dir": str(run_dir),
             "stopped_early": stopped}
 

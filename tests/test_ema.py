@@ -72,7 +72,8 @@ def test_means_over_the_last_rounds():
     assert np.isnan(recent_mean([], 5, 10))
 
 
-def test_a_run_writes_the_per_round_ema_the_cadence_and_the_last_rounds_means(tmp_path):
+def test_a_run_writes_the_per_round_ema_the_cadence_and_the_last_rounds_means(tmp_path,
+                                                                              capsys):
     """A run evaluated every 3 rounds (7 rounds: blocks of 3, 3, 1), resumed to round 9 (a
     block of 2): every line's EMA is the float64 reference of its accuracies with decay**k,
     ``ema_rounds`` says each k, and the means over the last rounds take the evaluations before
@@ -83,6 +84,9 @@ def test_a_run_writes_the_per_round_ema_the_cadence_and_the_last_rounds_means(tm
     args = ["dataset=digits", "num_clients=10", "participation=0.5", "local_epochs=1",
             "partition=iid", "--no-progress"]
     assert main(["train", *args, "rounds=7", "eval_every=3", f"run_dir={run}"]) == 0
+    done = [x for x in capsys.readouterr().out.splitlines() if x.startswith("done:")]
+    assert "(evaluated every 3 rounds: 0.9**3 per evaluation, the paper's per-round EMA only at " \
+        "eval_every=1;" in done[0]
     assert main(["resume", str(run), "rounds=9", "--no-progress"]) == 0
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["round"] for r in rows] == [3, 6, 7, 9]
