@@ -45,6 +45,7 @@ from pathlib import Path
 import yaml
 
 from fedjax_rcl.config import flat_keys, grid_members
+from fedjax_rcl.metrics import RECENT_WINDOWS
 
 # Keys that say nothing about what a run is.
 _IGNORED = {"run_dir", "rounds", "checkpoint_every", "keep_checkpoints", "eval_batch_size",
@@ -303,8 +304,8 @@ def _cell(hit: Sequence[Run], r: int) -> str:
     return f"{e}{_mark(hit, r)} ({b}; n={len(reached)})"
 
 
-# The windows of the raw accuracy's means (metrics.RECENT_WINDOWS).
-_WINDOWS = (10, 50)
+# The windows of the raw accuracy's means, as the metrics lines give them.
+_WINDOWS = RECENT_WINDOWS
 
 
 def _raw_cell(hit: Sequence[Run], r: int) -> str:
@@ -434,7 +435,8 @@ def table(runs: Sequence[Run], at: Sequence[int]) -> str:
         note = _cadence_note(runs, [r])
         lines += [note] if note else []
         lines += [f"Raw test accuracy at round {r}: the mean of the evaluations in rounds "
-                  f"{max(1, r - 9)}-{r} (in brackets: rounds {max(1, r - 49)}-{r}){seeds}; "
+                  f"{max(1, r - _WINDOWS[0] + 1)}-{r} (in brackets: rounds "
+                  f"{max(1, r - _WINDOWS[1] + 1)}-{r}){seeds}; "
                   "unlike the EMA it does not lag, and it means the same at any evaluation "
                   "cadence:", "",
                   "| method | " + " | ".join(settings) + " |",
