@@ -84,6 +84,7 @@ from fedjax_rcl.training import (
     cut_back,
     older_layouts,
     plot_run,
+    prior_accuracies,
     prior_seconds,
     rounds_stage,
     warn_stderr,
@@ -325,13 +326,36 @@ def _spread(values: list[float]) -> tuple[float, float]:
     return mean, (statistics.stdev(values) if len(values) > 1 else 0.0)
 
 
+def _by_value(exps: list[Experiment], key: str | None, lines: list[dict]) -> str:
+    """The members' test accuracy (and EMA) as a progress line gives it: mean ± sd over the
+    seeds of each value of a sweep's setting, never over different values."""
+    if key is None:
+        acc, acc_sd = _spread([x["test_accuracy"] for x in lines])
+        ema, ema_sd = _spread([x["test_accuracy_ema"] for x in lines])
+        return (f"test acc {acc:.4f} ± {acc_sd:.4f} over {len(lines)} seeds (EMA {ema:.4f} ± "
+                f"{ema_sd:.4f})")
+    groups: dict = {}
+    for e, x in zip(exps, lines, strict=True):
+        groups.setdefault(setting(e.cfg, key), []).append(x)
+    parts = []
+    for value, hit in groups.items():
+        acc, acc_sd = _spread([x["test_accuracy"] for x in hit])
+        ema, ema_sd = _spread([x["test_accuracy_ema"] for x in hit])
+        parts.append(f"{key}={value}: {acc:.4f}" + (
+            f" ± {acc_sd:.4f} (EMA {ema:.4f} ± {ema_sd:.4f}, {len(hit)} seeds)" if len(hit) > 1
+            else f" (EMA {ema:.4f})"))
+    return "test acc " + "; ".join(parts)
+
+
 def _grid_stage(exps: list[Experiment], program: GridProgram, ckpts: list[Checkpointer],
-                emas: list, priors: list[float], key: str | None = None) -> Stage:
+                emas: list, priors: list[float], key: str | None = None,
+                histories: list | None = None) -> Stage:
     """The members' rounds as one stage of the run loop: each member's metrics line, checkpoint
     and per-client lines are those of its own stage (``training.rounds_stage``)."""
     cfg = exps[0].cfg
-    members = [rounds_stage(e, Program(advance=None, evaluate=None, compile_s=0.0), c, a, p)
-               for e, c, a, p in zip(exps, ckpts, emas, priors, strict=True)]
+    histories = histories or [()] * len(exps)
+    members = [rounds_stage(e, Program(advance=None, evaluate=None, compile_s=0.0), c, a, p, h)
+               for e, c, a, p, h in zip(exps, ckpts, emas, priors, histories, strict=True)]
     analysis = bool(cfg.analysis_every)
 
     def advance(states, done, n):
@@ -354,7 +378,8 @@ def _grid_stage(exps: list[Experiment], program: GridProgram, ckpts: list[Checkp
         ema, ema_sd = _spread([x["test_accuracy_ema"] for x in lines])
         return {"round": done, "runs": lines, "test_accuracy": acc, "test_accuracy_sd": acc_sd,
                 "test_accuracy_ema": ema, "test_accuracy_ema_sd": ema_sd,
-                "train_loss": float(np.mean([x["train_loss"] for x in lines]))}
+                "train_loss": float(np.mean([x["train_loss"] for x in lines])),
+                "summary": _by_value(exps, key, lines)}
 
     def checkpoint(states, done, line):
         pairs = [m.checkpoint(_member(states, i), done, run)
@@ -365,10 +390,7 @@ def _grid_stage(exps: list[Experiment], program: GridProgram, ckpts: list[Checkp
         return [[m.step_lines(out, done, n) for m, out in zip(members, outs, strict=True)]]
 
     def describe(r):
-        return (f"test acc {r['test_accuracy']:.4f} ± {r['test_accuracy_sd']:.4f} over "
-                f"{len(exps)} {'seeds' if key is None else 'runs'} (EMA "
-                f"{r['test_accuracy_ema']:.4f} ± "
-                f"{r['test_accuracy_ema_sd']:.4f})")
+        return r["summary"]
 
     return Stage(label="round", unit="rounds", total=cfg.rounds, every=cfg.eval_every,
                  checkpoint_every=cfg.checkpoint_every, advance=advance, record=record,
@@ -387,7 +409,8 @@ def _run_grid(parent: Path, exps: list[Experiment], ckpts: list[Checkpointer], s
     try:
         program = compile_grid(exps, states, log, key)
         stage = _grid_stage(exps, program, ckpts, emas,
-                            [prior_seconds(d, done) for d in dirs], key)
+                            [prior_seconds(d, done) for d in dirs], key,
+                            [prior_accuracies(d, done) for d in dirs])
         sink = _Sinks([Sink(d, e.cfg, resumed_at=done) for d, e in zip(dirs, exps, strict=True)])
         clients = (_StepSinks([Sink(d, name=CLIENTS_FILE) for d in dirs])
                    if stage.step_lines is not None else None)
@@ -407,10 +430,8 @@ def _run_grid(parent: Path, exps: list[Experiment], ckpts: list[Checkpointer], s
         plot_run(d, e.cfg, f" · {d.name}")
     if record:
         log(f"done: {len(exps)} runs, rounds {first}..{record['round']} in {elapsed:.1f} s "
-            f"(compile {program.compile_s:.1f} s); test accuracy "
-            f"{record['test_accuracy']:.4f} ± {record['test_accuracy_sd']:.4f} (EMA "
-            f"{record['test_accuracy_ema']:.4f} ± {record['test_accuracy_ema_sd']:.4f}); "
-            f"runs in {parent}/{{{','.join(d.name for d in dirs)}}}")
+            f"(compile {program.compile_s:.1f} s); {record['summary']}; runs in "
+            f"{parent}/{{{','.join(d.name for d in dirs)}}}")
     return {**record, "compile_s": program.compile_s, "run_dir": str(parent),
             "stopped_early": stopped}
 

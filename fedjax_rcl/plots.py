@@ -19,8 +19,9 @@ def plot_metrics(metrics_path: str | Path, out_path: str | Path, *, title: str =
                  ema_decay: float = 0.9, eval_every: int = 1) -> Path:
     """Test accuracy (raw and EMA) and the losses against rounds, saved as PNG.
 
-    ``ema_decay`` and ``eval_every`` label the EMA curve as it was computed: one EMA step per
-    evaluation, which is the paper's per-round EMA only when ``eval_every == 1``. The local
+    ``ema_decay`` and ``eval_every`` label the EMA curve as it was computed: ``ema_decay`` per
+    round, applied as ``ema_decay**k`` once per evaluation every ``k`` rounds, which is exactly
+    the paper's per-round EMA only when ``eval_every == 1``. The local
     training loss is the whole client objective (CE plus the algorithm's terms), so it gets its
     own panel rather than sharing an axis with the test cross-entropy.
     """
@@ -33,9 +34,10 @@ def plot_metrics(metrics_path: str | Path, out_path: str | Path, *, title: str =
     rounds = [r["round"] for r in rows]
     fig, (ax_acc, ax_test, ax_train) = plt.subplots(1, 3, figsize=(14, 3.8))
     ax_acc.plot(rounds, [r["test_accuracy"] for r in rows], lw=1, alpha=0.5, label="test accuracy")
-    per = "per round" if eval_every == 1 else f"per evaluation (every {eval_every} rounds)"
+    per = ("per round" if eval_every == 1 else
+           f"per round as {ema_decay:g}**{eval_every} every {eval_every} rounds (exact at 1)")
     ax_acc.plot(rounds, [r["test_accuracy_ema"] for r in rows], lw=2,
-                label=f"EMA {ema_decay:g}, {per}")
+                label=f"EMA {ema_decay:g} {per}")
     ax_acc.set_xlabel("round")
     ax_acc.set_ylabel("accuracy")
     ax_acc.grid(alpha=0.3)

@@ -7,11 +7,15 @@ into the *method* (the algorithm, its own section's keys, the server optimizer) 
 *setting* (everything else that differs: alpha, partition, dataset, model, ...). Written to
 ``--out``:
 
-* ``report.md``: one table per reported round (default: the last round every run reached),
-  methods as rows and settings as columns, EMA test accuracy as the paper's tables
-  (``ema_t = d ema_{t-1} + (1 - d) acc_t``), the best accuracy through that round beside
-  it; the runs behind each cell;
-* ``convergence.png``: EMA accuracy over rounds, one panel per setting (paper Fig. 1/A);
+* ``report.md``: per reported round (default: the last round every run reached), methods as
+  rows and settings as columns, two tables: the EMA test accuracy as the paper's tables
+  (``ema_t = d ema_{t-1} + (1 - d) acc_t`` over rounds), the best accuracy through that round
+  beside it, a ``†`` on the EMA of runs not evaluated every round (their EMA is not the
+  paper's; a footnote says what it is); and the raw test accuracy, the mean of the
+  evaluations in the last 10 and 50 rounds, which neither lags nor depends on the cadence.
+  Then the runs behind each cell. Columns and titles name the split, clients and seeds;
+* ``convergence.png``: EMA (thick) and raw (thin) accuracy over rounds, one panel per setting
+  (paper Fig. 1/A);
 * ``collapse.png``, for runs recorded with ``analysis_every``: effective rank and variability
   collapse index of the global and local models' features over rounds (paper Figs. 2-3), and
   the measures that keep the mean where recorded; the same values at the reported rounds that
@@ -19,8 +23,9 @@ into the *method* (the algorithm, its own section's keys, the server optimizer) 
 * the spread over clients (local loss, accuracy on own data before and after local training)
   at each reported round, for runs with per-client metrics (``client_metrics``,
   ``client_eval``);
-* ``beta_sweep.png`` when the runs differ only in ``fedrcl.beta`` (and the setting): final EMA
-  accuracy against beta (paper Fig. 4/B).
+* ``beta_sweep.png`` when the FedRCL runs differ only in ``fedrcl.beta`` (and the setting;
+  other methods' runs may be in the report): the last round's EMA and raw accuracy against
+  beta, per value the mean ± sd over its seeds (paper Fig. 4/B).
 
 Runs that differ only in ``seed`` share a cell: the table gives the mean ± sd over them (and
 n), the curves the mean with a shaded ± sd band, and with ``baseline`` (a method's label, such
@@ -40,6 +45,7 @@ from pathlib import Path
 import yaml
 
 from fedjax_rcl.config import flat_keys, grid_members
+from fedjax_rcl.metrics import RECENT_WINDOWS
 
 # Keys that say nothing about what a run is.
 _IGNORED = {"run_dir", "rounds", "checkpoint_every", "keep_checkpoints", "eval_batch_size",
@@ -62,6 +68,26 @@ class Run:
     def ema_at(self, r: int) -> float | None:
         hit = [x for x in self.rows if x["round"] == r]
         return hit[0]["test_accuracy_ema"] if hit else None
+
+    def recent_at(self, r: int, window: int) -> float | None:
+        """The mean raw test accuracy of the evaluations in rounds ``r - window + 1 .. r``
+        (None: round ``r`` not evaluated): the same figure at any evaluation cadence."""
+        if self.ema_at(r) is None:
+            return None
+        hit = [x["test_accuracy"] for x in self.rows if r - window < x["round"] <= r]
+        return sum(hit) / len(hit)
+
+    def cadence_to(self, r: int) -> int:
+        """The largest number of rounds between two evaluations up to round ``r`` (from round
+        0): 1 when every round was evaluated, the one case whose EMA is the paper's."""
+        rounds = [0] + [x["round"] for x in self.rows if x["round"] <= r]
+        return max((b - a for a, b in zip(rounds[:-1], rounds[1:], strict=True)), default=1)
+
+    def ema_steps_per_round(self) -> bool:
+        """Whether the records apply ``ema_decay**k`` for ``k`` rounds between evaluations
+        (lines with ``ema_rounds``), rather than ``ema_decay`` once per evaluation (records
+        written before the EMA's decay was per round)."""
+        return any("ema_rounds" in x for x in self.rows)
 
     @property
     def last_round(self) -> int:
@@ -155,7 +181,36 @@ def _label(run: Run, keys: Sequence[str]) -> str:
             parts.append(f"{k.split('.')[-1]}={v}")
         else:
             parts.append(f"{k}={v}")
-    return " ".join(parts) or "all runs"
+    return " ".join(parts)
+
+
+def _split(config: dict) -> str | None:
+    """A run's split as titles name it (None: its config does not say)."""
+    partition = config.get("partition", "dirichlet" if "alpha" in config else None)
+    if partition == "iid":
+        return "IID"
+    if partition == "shards":
+        return f"{config.get('shards_per_client', '?')} shards a client"
+    if partition == "dirichlet" and "alpha" in config:
+        return f"Dirichlet alpha {config['alpha']:g}"
+    return None
+
+
+def describe(runs: Sequence[Run]) -> str:
+    """What a group of runs has in common, as titles and column heads name it: the split
+    (alpha or IID), the number of clients and the seeds, as far as their configs say."""
+    parts = []
+    splits = {_split(r.config) for r in runs}
+    if len(splits) == 1 and None not in splits:
+        parts.append(splits.pop())
+    clients = {r.config.get("num_clients") for r in runs}
+    if len(clients) == 1 and None not in clients:
+        parts.append(f"{clients.pop()} clients")
+    seeds = sorted({r.config["seed"] for r in runs if "seed" in r.config}, key=str)
+    if seeds:
+        parts.append(("seed " if len(seeds) == 1 else "seeds ")
+                     + ", ".join(str(x) for x in seeds))
+    return ", ".join(parts) or "one setting"
 
 
 # Runs that differ only in these share a cell (seeds of one setting). The threefry bit layout
@@ -202,6 +257,10 @@ def group(runs: Sequence[Run]) -> tuple[list[str], list[str], dict]:
         methods += [m] if m not in methods else []
         settings += [s] if s not in settings else []
         cells.setdefault((m, s), []).append(r)
+    if "" in settings:  # the runs of no differing setting: named by what they share
+        name = describe([x for (_, s), hit in cells.items() if s == "" for x in hit])
+        settings = [name if s == "" else s for s in settings]
+        cells = {(m, name if s == "" else s): hit for (m, s), hit in cells.items()}
     return methods, settings, cells
 
 
@@ -222,18 +281,65 @@ def _pm(values: Sequence[float], sign: str = "") -> str:
     return f"{mean:{sign}.4f}" + (f" ± {sd:.4f}" if len(values) > 1 else "")
 
 
+# Marks an EMA of runs not evaluated every round (see ``_cadence_note``).
+OTHER_CADENCE = "†"
+
+
+def _mark(hit: Sequence[Run], r: int) -> str:
+    return OTHER_CADENCE if any(x.ema_at(r) is not None and x.cadence_to(r) > 1
+                                for x in hit) else ""
+
+
 def _cell(hit: Sequence[Run], r: int) -> str:
     """One run: ``ema (best)``; several seeds: ``mean ± sd (best mean ± sd; n)`` over those
-    that reached round ``r``."""
+    that reached round ``r``; ``†`` when one was not evaluated every round."""
     vals = [(x.ema_at(r), x.best_to(r)) for x in hit]
     if len(hit) <= 1:  # a run not yet at round r: no value (nor a best "through r")
-        return "; ".join(f"{_fmt(e)} ({_fmt(b)})" if e is not None else "—"
+        return "; ".join(f"{_fmt(e)}{_mark(hit, r)} ({_fmt(b)})" if e is not None else "—"
                          for e, b in vals) or "—"
     reached = [(e, b) for e, b in vals if e is not None]
     if not reached:
         return "—"
     e, b = _pm([e for e, _ in reached]), _pm([b for _, b in reached])
-    return f"{e} ({b}; n={len(reached)})"
+    return f"{e}{_mark(hit, r)} ({b}; n={len(reached)})"
+
+
+# The windows of the raw accuracy's means, as the metrics lines give them.
+_WINDOWS = RECENT_WINDOWS
+
+
+def _raw_cell(hit: Sequence[Run], r: int) -> str:
+    """The mean raw accuracy of the last 10 rounds (in brackets the last 50) at round ``r``;
+    several seeds: mean ± sd over them, and n."""
+    vals = [[x.recent_at(r, w) for w in _WINDOWS] for x in hit]
+    reached = [v for v in vals if v[0] is not None]
+    if not reached:
+        return "—"
+    short, long = _pm([v[0] for v in reached]), _pm([v[1] for v in reached])
+    return f"{short} ({long}" + (f"; n={len(reached)})" if len(hit) > 1 else ")")
+
+
+def _cadence_note(runs: Sequence[Run], at: Sequence[int]) -> str:
+    """The footnote of ``†``: which runs were evaluated at another cadence and what their EMA
+    is, so that no one compares it with a per-round EMA such as the paper's."""
+    odd = {}
+    for x in runs:
+        k = max((x.cadence_to(r) for r in at if x.ema_at(r) is not None), default=1)
+        if k > 1:
+            odd[x.path] = (k, x)
+    if not odd:
+        return ""
+    lines = [f"{OTHER_CADENCE} Not evaluated every round, so not comparable with a per-round "
+             "EMA such as the paper's (compare the raw means instead):"]
+    for path, (k, x) in odd.items():
+        d = x.config.get("ema_decay", 0.9)
+        how = (f"its EMA applies {d:g}**k once per evaluation, the same time constant in rounds "
+               "but exact only for k = 1" if x.ema_steps_per_round() else
+               f"its EMA (records written before the decay was per round) applies {d:g} once "
+               f"per evaluation: a time constant of about {k / (1 - d):.0f} rounds instead of "
+               f"{1 / (1 - d):.0f}, lagging a rising curve")
+        lines.append(f"- `{path}`: evaluated every {k} rounds; {how}.")
+    return "\n".join(lines) + "\n"
 
 
 def _seed(run: Run):
@@ -283,10 +389,12 @@ def paired(runs: Sequence[Run], baseline: str, at: Sequence[int], window: int = 
         return out + [""]
 
     def ema_diff(hit, base, r):
-        diffs = [x.ema_at(r) - base[_seed(x)].ema_at(r) for x in hit
+        pairs = [(x, base[_seed(x)]) for x in hit
                  if x.ema_at(r) is not None and _seed(x) in base
                  and base[_seed(x)].ema_at(r) is not None]
-        return f"{_pm(diffs, '+')} (n={len(diffs)})" if diffs else None
+        diffs = [x.ema_at(r) - y.ema_at(r) for x, y in pairs]
+        mark = _mark([z for pair in pairs for z in pair], r)
+        return f"{_pm(diffs, '+')}{mark} (n={len(diffs)})" if diffs else None
 
     def ahead(hit, base, r):
         found = sorted(((_seed(x), within_run(x, base[_seed(x)], r, window)) for x in hit
@@ -312,14 +420,29 @@ def table(runs: Sequence[Run], at: Sequence[int]) -> str:
     methods, settings, cells = group(runs)
     lines = []
     several = any(len(hit) > 1 for hit in cells.values())
+    seeds = "; several seeds: mean ± sd over them, n seeds" if several else ""
+    decays = sorted({x.config.get("ema_decay", 0.9) for x in runs})
     for r in at:
-        lines += [f"EMA test accuracy at round {r} (in brackets: the best accuracy through "
-                  f"round {r}" + ("; several seeds: mean ± sd over them, n seeds" if several
-                                  else "") + "):", "",
+        lines += [f"EMA test accuracy at round {r} (decay {', '.join(f'{d:g}' for d in decays)} "
+                  "per round, the paper's measure as we read it; in brackets: the best "
+                  f"accuracy through round {r}{seeds}):", "",
                   "| method | " + " | ".join(settings) + " |",
                   "|---" * (len(settings) + 1) + "|"]
         for m in methods:
             row = [_cell(cells.get((m, s), []), r) for s in settings]
+            lines.append(f"| {m} | " + " | ".join(row) + " |")
+        lines.append("")
+        note = _cadence_note(runs, [r])
+        lines += [note] if note else []
+        lines += [f"Raw test accuracy at round {r}: the mean of the evaluations in rounds "
+                  f"{max(1, r - _WINDOWS[0] + 1)}-{r} (in brackets: rounds "
+                  f"{max(1, r - _WINDOWS[1] + 1)}-{r}){seeds}; "
+                  "unlike the EMA it does not lag, and it means the same at any evaluation "
+                  "cadence:", "",
+                  "| method | " + " | ".join(settings) + " |",
+                  "|---" * (len(settings) + 1) + "|"]
+        for m in methods:
+            row = [_raw_cell(cells.get((m, s), []), r) for s in settings]
             lines.append(f"| {m} | " + " | ".join(row) + " |")
         lines.append("")
     lines += ["Runs:", ""]
@@ -364,38 +487,58 @@ def analysis_table(runs: Sequence[Run], at: Sequence[int]) -> str:
          "|---" * (len(_ANALYSIS) + 2) + "|", *rows]) + "\n"
 
 
+# What the curves of convergence.png are: its caption in report.md and on the figure.
+CONVERGENCE_CAPTION = (
+    "test accuracy over rounds, one panel per setting: thick, the EMA (decay per round, the "
+    "paper's measure as we read it); thin, the raw accuracy of each evaluation; with several "
+    "seeds both are the mean over them, and the shaded band is the EMA's mean ± one standard "
+    "deviation over the seeds (n in the legend)")
+
+
 def _plots(runs: Sequence[Run], out: Path) -> list[Path]:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import numpy as np
 
     written = []
     methods, settings, cells = group(runs)
     fig, axes = plt.subplots(1, len(settings), figsize=(6.5 * len(settings), 4.8),
                              squeeze=False)
     for ax, s in zip(axes[0], settings, strict=True):
+        column = [x for (_, t), hit in cells.items() if t == s for x in hit]
         for i, m in enumerate(methods):
             hit = cells.get((m, s), [])
             label = m if len(m) <= 40 else m[:37] + "..."
             if len(hit) > 1:  # seeds: the mean, and a band of ± one sd
-                import numpy as np
-
                 common = sorted(set.intersection(*({r["round"] for r in x.rows} for x in hit)))
                 if common:
-                    ema = np.asarray([[x.ema_at(r) for r in common] for x in hit], np.float64)
+                    by = [{r["round"]: r for r in x.rows} for x in hit]
+                    ema = np.asarray([[b[r]["test_accuracy_ema"] for r in common] for b in by],
+                                     np.float64)
+                    raw = np.asarray([[b[r]["test_accuracy"] for r in common] for b in by],
+                                     np.float64)
                     mean, sd = ema.mean(0), ema.std(0, ddof=1)
-                    ax.plot(common, mean, color=f"C{i}", label=f"{label} (n={len(hit)})")
+                    ax.plot(common, raw.mean(0), color=f"C{i}", lw=0.7, alpha=0.45)
+                    ax.plot(common, mean, color=f"C{i}", lw=2, label=f"{label} (n={len(hit)})")
                     ax.fill_between(common, mean - sd, mean + sd, color=f"C{i}", alpha=0.2,
                                     linewidth=0)
                 continue
             for x in hit:
-                ax.plot([r["round"] for r in x.rows], [r["test_accuracy_ema"] for r in x.rows],
-                        color=f"C{i}", label=label)
-        ax.set(title=s, xlabel="round", ylabel="EMA test accuracy")
+                rounds = [r["round"] for r in x.rows]
+                ax.plot(rounds, [r["test_accuracy"] for r in x.rows], color=f"C{i}", lw=0.7,
+                        alpha=0.45)
+                ax.plot(rounds, [r["test_accuracy_ema"] for r in x.rows], color=f"C{i}", lw=2,
+                        label=label)
+        common = describe(column)
+        ax.set(title=common if s == common else f"{s}\n{common}", xlabel="round",
+               ylabel="test accuracy (thick: EMA; thin: raw)")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    fig.suptitle("Convergence (EMA of test accuracy)")
+    fig.suptitle("Convergence: EMA (thick) and raw (thin) test accuracy"
+                 + ("; band: EMA mean ± 1 sd over seeds" if any(len(h) > 1 for h in
+                                                                cells.values()) else ""))
     fig.tight_layout()
     written.append(out / "convergence.png")
     fig.savefig(written[-1], dpi=120)
@@ -434,38 +577,55 @@ def _plots(runs: Sequence[Run], out: Path) -> list[Path]:
 
     sweep = _beta_sweep(runs)
     if sweep:
-        fig, ax = plt.subplots(figsize=(6, 4.2))
-        for s, pts in sweep.items():
-            pts.sort()
-            ax.plot([b for b, _ in pts], [e for _, e in pts], "o-", label=s)
-        ax.set(title="FedRCL: final EMA accuracy against beta", xlabel="beta (fedrcl.beta)",
-               ylabel="EMA test accuracy")
+        fig, ax = plt.subplots(figsize=(6.4, 4.4))
+        for i, (s, pts) in enumerate(sweep.items()):
+            betas = sorted(pts)
+            for j, (what, style) in enumerate((("final EMA", "o-"), ("raw, last 10 rounds",
+                                                                      "s--"))):
+                mean = [np.mean([v[j] for v in pts[b]]) for b in betas]
+                sd = [np.std([v[j] for v in pts[b]], ddof=1) if len(pts[b]) > 1 else 0.0
+                      for b in betas]
+                ax.errorbar(betas, mean, yerr=sd, fmt=style, color=f"C{i}", capsize=3,
+                            label=f"{s}: {what}")
+        n = sorted({len(v) for pts in sweep.values() for v in pts.values()})
+        ax.set(title="FedRCL: accuracy at the last round against beta\n"
+               + describe([x for x in runs if x.config.get("algorithm") in _SWEPT]),
+               xlabel="beta (fedrcl.beta)", ylabel="test accuracy")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-        fig.tight_layout()
+        ax.legend(fontsize=7)
+        fig.text(0.01, 0.01, "per value of beta: mean over its seeds (n = "
+                 + "/".join(map(str, n)) + "), bars ± 1 sd", fontsize=7)
+        fig.tight_layout(rect=(0, 0.04, 1, 1))
         written.append(out / "beta_sweep.png")
         fig.savefig(written[-1], dpi=120)
         plt.close(fig)
     return written
 
 
-def _beta_sweep(runs: Sequence[Run]) -> dict[str, list[tuple[float, float]]]:
-    """``{setting: [(beta, final EMA)]}`` when the methods differ only in ``fedrcl.beta``."""
-    methods, _, cells = group(runs)
-    if len(methods) < 2 or any(r.config.get("algorithm") not in ("fedrcl", "fedscl")
-                               for r in runs):
+# The algorithms that read ``fedrcl.beta``.
+_SWEPT = ("fedrcl", "fedscl")
+
+
+def _beta_sweep(runs: Sequence[Run]) -> dict[str, dict[float, list[tuple[float, float]]]]:
+    """``{setting: {beta: [(final EMA, mean raw accuracy of the last 10 rounds), ...]}}`` (one
+    pair per seed) when the FedRCL runs among ``runs`` differ in ``fedrcl.beta`` and in no other
+    FedRCL setting; the other methods' runs do not stop it."""
+    swept = [r for r in runs if r.config.get("algorithm") in _SWEPT and r.rows]
+    if len({json.dumps(r.config.get("fedrcl.beta")) for r in swept}) < 2:
         return {}
-    keys = sorted({k for r in runs for k in r.config if k.startswith("fedrcl.")})
+    keys = sorted({k for r in swept for k in r.config if k.startswith("fedrcl.")})
     differing = [k for k in keys
-                 if len({json.dumps(r.config[k]) for r in runs if k in r.config}) > 1]
-    if differing != ["fedrcl.beta"]:
+                 if len({json.dumps(r.config.get(k)) for r in swept}) > 1]
+    if differing != ["fedrcl.beta"] or len({r.config.get("algorithm") for r in swept}) > 1:
         return {}
-    sweep = {}
+    _, _, cells = group(runs)
+    sweep: dict = {}
     for (_, s), hit in cells.items():
         for x in hit:
-            if x.rows:
-                sweep.setdefault(s, []).append((float(x.config["fedrcl.beta"]),
-                                                x.rows[-1]["test_accuracy_ema"]))
+            if id(x) in {id(y) for y in swept}:
+                last = x.rows[-1]["round"]
+                sweep.setdefault(s, {}).setdefault(float(x.config["fedrcl.beta"]), []).append(
+                    (x.rows[-1]["test_accuracy_ema"], x.recent_at(last, 10)))
     return sweep
 
 
@@ -515,9 +675,16 @@ def report(run_dirs: Sequence[str | Path], out: str | Path, at: Sequence[int] = 
     spread = "\n".join(x for x in (client_spread(runs, r) for r in at) if x)
     diffs = paired(runs, baseline, at, window) if baseline else ""
     analysis = analysis_table(runs, at)
+    captions = {"convergence.png": CONVERGENCE_CAPTION,
+                "collapse.png": "the representation analysis over rounds (solid: the global "
+                                "model; dashed: a local model)",
+                "beta_sweep.png": "FedRCL's accuracy at the last round against beta: the EMA "
+                                  "and the raw mean of the last 10 rounds, per value of beta "
+                                  "the mean over its seeds with bars of ± one sd"}
     text = ("# Report\n\n" + table(runs, at) + (f"\n{diffs}\n" if diffs else "")
             + (f"\n{analysis}" if analysis else "")
             + (f"\n{spread}" if spread else "")
-            + "\nFigures: " + ", ".join(f"`{p.name}`" for p in figures) + "\n")
+            + "\nFigures:\n\n" + "".join(f"- `{p.name}`: {captions[p.name]}.\n"
+                                          for p in figures))
     (out / "report.md").write_text(text)
     return out / "report.md"

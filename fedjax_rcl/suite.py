@@ -199,12 +199,18 @@ def table(suite: dict, out: Path) -> str:
              + "".join(f" paper {c} |" for c in columns),
              "|---|---|---|" + "---|" * len(report) + "---|---|" + "---|" * len(columns)]
     ours: dict[str, float] = {}
+    marked: list[str] = []
     groups: dict[str, list[str]] = {}
     metrics = {name: _metrics(Path(suite["runs_dir"]) / name) for name in suite["runs"]}
     for name, overrides in suite["runs"].items():
         rows = metrics[name]
         by_round = {r["round"]: r for r in rows}
-        cells = [f"{by_round[r]['test_accuracy_ema']:.4f}" if r in by_round else "—"
+        # The paper's EMA is per round: a run evaluated less often is marked, and its EMA is
+        # kept out of the comparison with the paper's values.
+        evaluated = sorted(by_round)
+        gaps = [b - a for a, b in zip([0, *evaluated[:-1]], evaluated, strict=True)]
+        mark = "†" if gaps and max(gaps) > 1 else ""
+        cells = [f"{by_round[r]['test_accuracy_ema']:.4f}{mark}" if r in by_round else "—"
                  for r in report]
         mean = (f"{sum(by_round[r]['test_accuracy'] for r in window) / len(window):.4f}"
                 if all(r in by_round for r in window) else "—")
@@ -212,8 +218,9 @@ def table(suite: dict, out: Path) -> str:
         best = max((r["test_accuracy"] for r in rows if r["round"] <= suite["rounds"]),
                    default=None)
         done = rows[-1]["round"] if rows else 0
-        if last in by_round:
+        if last in by_round and not mark:
             ours[name] = by_round[last]["test_accuracy_ema"]
+        marked += [name] if mark else []
         lines.append(f"| {name} | {' '.join(overrides)} | {done} | " + " | ".join(cells)
                      + f" | {mean} | {'—' if best is None else f'{best:.4f}'} |"
                      + "".join(f" {paper.get(name, {}).get(c, '—')} |" for c in columns))
@@ -238,6 +245,10 @@ def table(suite: dict, out: Path) -> str:
     fig.tight_layout()
     fig.savefig(out / "ema_accuracy.png", dpi=110)
     notes = _paper_lines(suite, ours, last)
+    if marked:
+        notes.insert(0, "† Not evaluated every round: the EMA is not the paper's per-round "
+                     "EMA and is left out of any comparison with the paper's values: "
+                     + ", ".join(marked) + ".")
     if notes:
         lines += ["", *notes, "", f"Paper values: {suite.get('paper_source', 'the paper')}."]
     text = "\n".join(lines) + "\n"

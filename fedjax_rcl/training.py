@@ -14,7 +14,7 @@ import dataclasses
 import json
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -50,7 +50,7 @@ from fedjax_rcl.loop import (
     run_stage,
     save_checkpoint,
 )
-from fedjax_rcl.metrics import ema
+from fedjax_rcl.metrics import RECENT_WINDOWS, ema, recent_mean
 from fedjax_rcl.rundir import atomic_write_text, read_metrics_upto
 from fedjax_rcl.validation import ConfigError
 
@@ -170,9 +170,12 @@ def _numbers(record: dict) -> str:
 
 
 def rounds_stage(exp: Experiment, program: Program, ckpt: Checkpointer, acc_ema: float | None,
-                  prior_s: float) -> Stage:
-    """The federated rounds as a stage of the run loop."""
+                  prior_s: float, history: Sequence[tuple[int, float]] = ()) -> Stage:
+    """The federated rounds as a stage of the run loop. ``history``: the ``(round, test
+    accuracy)`` of the run's earlier evaluations (a resumed run's), for the means over the last
+    rounds."""
     cfg = exp.cfg
+    recent = list(history)
     analyze = None
     if cfg.analysis_every:
         from fedjax_rcl.engine.analysis import make_analysis
@@ -189,10 +192,16 @@ def rounds_stage(exp: Experiment, program: Program, ckpt: Checkpointer, acc_ema:
     def record(state, out, done, n, block_s, elapsed_s):
         metrics, ev = out
         acc = float(ev["accuracy"])
-        ema_now[0] = ema(ema_now[0], acc, cfg.ema_decay)
+        # ema_decay is per round: a block of n rounds applies ema_decay**n (exact for n = 1).
+        ema_now[0] = ema(ema_now[0], acc, cfg.ema_decay, n)
+        recent.append((done, acc))
+        del recent[:-max(RECENT_WINDOWS)]  # at most one evaluation a round
         terms = {k: float(np.mean(v[:n])) for k, v in metrics.items()
                  if k != "loss" and not k.startswith("client")}
         line = {"round": done, "test_accuracy": acc, "test_accuracy_ema": ema_now[0],
+                "ema_rounds": n,
+                **{f"test_accuracy_last{w}": recent_mean(recent, done, w)
+                   for w in RECENT_WINDOWS},
                 "test_loss": float(ev["loss"]), "train_loss": float(np.mean(metrics["loss"][:n])),
                 **terms, "round_s": round(block_s / n, 3), "elapsed_s": round(elapsed_s, 3),
                 "total_s": round(prior_s + elapsed_s, 3)}
@@ -237,12 +246,39 @@ def prior_seconds(run_dir: Path, done: int) -> float:
     return json.loads(prior[-1]).get("total_s", 0.0) if prior else 0.0
 
 
+def prior_accuracies(run_dir: Path, done: int) -> list[tuple[int, float]]:
+    """``(round, test accuracy)`` of a run's evaluations up to ``done`` (a resumed run's last
+    ``max(RECENT_WINDOWS)``, enough for the means over the last rounds)."""
+    rows = [json.loads(x) for x in read_metrics_upto(run_dir / "metrics.jsonl", done)]
+    return [(x["round"], x["test_accuracy"]) for x in rows[-max(RECENT_WINDOWS):]]
+
+
+def ema_cadence(cfg) -> str:
+    """What the EMA of a run evaluated every ``k > 1`` rounds is, for its done line (empty
+    for ``k = 1``, where it is the paper's per-round EMA)."""
+    k = cfg.eval_every
+    return ("" if k == 1 else f" (evaluated every {k} rounds: {cfg.ema_decay:g}**{k} per "
+            "evaluation, the paper's per-round EMA only at eval_every=1; the means of the last "
+            "10 and 50 rounds in metrics.jsonl do not depend on it)")
+
+
+def split_text(cfg) -> str:
+    """The split a run trains on, as titles name it: ``IID``, ``Dirichlet alpha 0.3`` (FedRCL's
+    equal-size draw; MOON's is marked ``unequal sizes``) or ``2 shards a client``."""
+    if cfg.partition == "iid":
+        return "IID"
+    if cfg.partition == "shards":
+        return f"{cfg.shards_per_client} shards a client"
+    return f"Dirichlet alpha {cfg.alpha:g}" + ("" if cfg.balanced else ", unequal sizes")
+
+
 def plot_run(run_dir: Path, cfg: CoreConfig, title_suffix: str = "") -> None:
     """The run's ``accuracy.png`` from its ``metrics.jsonl``."""
     from fedjax_rcl.plots import plot_metrics
 
     plot_metrics(run_dir / "metrics.jsonl", run_dir / "accuracy.png",
-                 title=f"{cfg.algorithm} · {cfg.model} · {cfg.dataset}{title_suffix}",
+                 title=f"{cfg.algorithm} · {cfg.model} · {cfg.dataset} · {split_text(cfg)} · "
+                       f"{cfg.num_clients} clients · seed {cfg.seed}{title_suffix}",
                  ema_decay=cfg.ema_decay, eval_every=cfg.eval_every)
 
 
@@ -263,7 +299,8 @@ def _run(exp: Experiment, run_dir: Path, ckpt: Checkpointer, state: ServerState,
     cfg = exp.cfg
     try:
         program = compile_program(exp, log)
-        stage = rounds_stage(exp, program, ckpt, acc_ema, prior_seconds(run_dir, done))
+        stage = rounds_stage(exp, program, ckpt, acc_ema, prior_seconds(run_dir, done),
+                             prior_accuracies(run_dir, done))
         sink = Sink(run_dir, cfg, resumed_at=done)
         clients = (Sink(run_dir, name=CLIENTS_FILE) if stage.step_lines is not None else None)
         first, start = done, time.perf_counter()
@@ -285,8 +322,8 @@ def _run(exp: Experiment, run_dir: Path, ckpt: Checkpointer, state: ServerState,
         rate = (last - first) / elapsed
         log(f"done: rounds {first}..{last} in {elapsed:.1f} s ({rate:.2f} rounds/s, "
             f"compile {program.compile_s:.1f} s); test accuracy {record['test_accuracy']:.4f}, "
-            f"EMA {record['test_accuracy_ema']:.4f}; metrics in {run_dir / 'metrics.jsonl'}, "
-            f"plot {run_dir / 'accuracy.png'}")
+            f"EMA {record['test_accuracy_ema']:.4f}{ema_cadence(cfg)}; metrics in "
+            f"{run_dir / 'metrics.jsonl'}, plot {run_dir / 'accuracy.png'}")
     return {**record, "compile_s": program.compile_s, "run_dir": str(run_dir),
             "stopped_early": stopped}
 
@@ -304,7 +341,11 @@ def train(cfg: CoreConfig, *, dataset: ImageDataset | None = None, progress: boo
 
     Writes to the run directory: ``config.yaml`` (resolved), ``metrics.jsonl`` (one object per
     evaluation: ``round`` = rounds completed, ``test_accuracy``, ``test_accuracy_ema`` (the
-    paper's per-round EMA when ``eval_every=1``; otherwise it advances once per evaluation),
+    EMA with ``ema_decay`` per round: the paper's when ``eval_every=1``; every ``k`` rounds it
+    applies ``ema_decay**k`` once per evaluation, exact only for ``k = 1``), ``ema_rounds`` (the
+    ``k`` of this line: rounds since the previous evaluation), ``test_accuracy_last10`` and
+    ``test_accuracy_last50`` (the mean raw accuracy of the evaluations in the last 10 and 50
+    rounds: figures that do not depend on the cadence),
     ``test_loss``, ``train_loss`` = mean local loss over the rounds since the last evaluation,
     each loss term, ``round_s`` = wall time per round of this evaluation block including the
     evaluation, ``elapsed_s`` = time since this process's loop began, ``total_s`` = the same

@@ -329,7 +329,7 @@ def test_other_array_types_give_the_float64_result(kind):
 def test_public_names():
     assert set(metrics.__all__) == {
         "ema", "effective_rank", "class_covariance_traces", "variability_collapse_index",
-        "mean_pairwise_cosine", "spread_share"}
+        "mean_pairwise_cosine", "spread_share", "recent_mean", "RECENT_WINDOWS"}
     assert metrics.ema(None, 0.5) == 0.5
     assert metrics.ema(0.5, 1.0, decay=0.75) == 0.625
 

@@ -37,7 +37,7 @@ def test_two_runs_table_and_figures_and_the_beta_sweep(runs, tmp_path, capsys):
     text = (out / "report.md").read_text()
     assert "EMA test accuracy at round 1" in text and "EMA test accuracy at round 2" in text
     # Methods as rows; the two runs differ only in the algorithm: one setting column.
-    assert "| method | all runs |" in text
+    assert "| method | IID, 10 clients, seed 0 |" in text  # what they share, not "all runs"
     assert f"| fedavg | {_ema(runs['avg'], 2):.4f} (" in text
     assert f"| fedrcl | {_ema(runs['rcl'], 2):.4f} (" in text
     for png in ("convergence.png", "collapse.png"):  # the fedavg run was analysed
@@ -125,7 +125,7 @@ def test_seeds_share_a_cell_with_mean_sd_and_paired_differences(tmp_path, capsys
     assert main(["report", *dirs, "--out", str(out), "--baseline", "fedavg"]) == 0
     text = (out / "report.md").read_text()
     a, r = np.array([avg[s] for s in (0, 1, 2)]), np.array([rcl[s] for s in (0, 1, 2)])
-    assert "| method | all runs |" in text  # seeds are not settings
+    assert "| method | seeds 0, 1, 2 |" in text  # seeds are not settings
     assert f"| fedavg | {a.mean():.4f} ± {a.std(ddof=1):.4f} (" in text
     assert f"| fedrcl | {r.mean():.4f} ± {r.std(ddof=1):.4f} (" in text and "n=3)" in text
     d = r - a
@@ -156,7 +156,7 @@ def test_one_archive_by_two_paths_is_one_dataset(tmp_path):
                  str(out)]) == 0
     text = (out / "report.md").read_text()
     e = np.array(list(ema.values()))
-    assert "| method | all runs |" in text
+    assert "| method | seeds 0, 1, 2 |" in text
     assert f"| fedavg | {e.mean():.4f} ± {e.std(ddof=1):.4f} (" in text and "n=3)" in text
     assert main(["report", str(tmp_path / "avg-1"), str(tmp_path / "other"), "--out",
                  str(out)]) == 0
@@ -261,6 +261,129 @@ def test_a_run_not_yet_at_the_reported_round_has_an_empty_cell(tmp_path):
     assert main(["report", str(tmp_path / "long"), str(tmp_path / "short"), "--out", str(out),
                  "--at", "2", "4"]) == 0
     text = (out / "report.md").read_text()
-    at2, at4 = text.split("at round 4")
+    at2, at4 = text.split("EMA test accuracy at round 4")
     assert "| fedprox | — |" in at4.split("Runs:")[0]
     assert "| fedprox | 0." in at2 and "| fedprox | — |" not in at2
+
+
+def _cadence_run(path, config: str, accs, every: int, per_round_decay: bool):
+    """A run evaluated every ``every`` rounds: its EMA as written before the decay was per
+    round (0.9 per evaluation) or after (0.9**every, with ``ema_rounds``)."""
+    path.mkdir(parents=True)
+    (path / "config.yaml").write_text(config)
+    ema, lines = None, []
+    for i, a in enumerate(accs, start=1):
+        d = 0.9 ** every if per_round_decay else 0.9
+        ema = a if ema is None else d * ema + (1 - d) * a
+        row = {"round": i * every, "test_accuracy": a, "test_accuracy_ema": ema}
+        lines.append(json.dumps(row | ({"ema_rounds": every} if per_round_decay else {})))
+    (path / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    return ema
+
+
+def test_an_ema_at_another_cadence_is_marked_and_the_raw_means_stand_beside_it(tmp_path):
+    """A run evaluated every round: its EMA unmarked. Runs evaluated every 10th round (old
+    records: 0.9 per evaluation; new: 0.9**10): marked † with a footnote naming them, their
+    cadence and what their EMA is. Beside the EMA, each run's mean raw accuracy of the last 10
+    and 50 rounds (NumPy reference), labelled."""
+    import numpy as np
+
+    from fedjax_rcl.report import load_run, table
+
+    rng = np.random.default_rng(5)
+    every = rng.uniform(0.2, 0.8, 60)
+    e1 = _cadence_run(tmp_path / "avg", "algorithm: fedavg\nseed: 0\n", every, 1, True)
+    sparse = rng.uniform(0.2, 0.8, 6)
+    e10 = _cadence_run(tmp_path / "rcl", "algorithm: fedrcl\nseed: 0\n", sparse, 10, False)
+    e10n = _cadence_run(tmp_path / "moon", "algorithm: moon\nseed: 0\n", sparse, 10, True)
+    text = table([load_run(tmp_path / n) for n in ("avg", "rcl", "moon")], [60])
+    ema_table, raw_table = text.split("Raw test accuracy at round 60")
+    assert f"| fedavg | {e1:.4f} (" in ema_table  # every round: the paper's EMA, no mark
+    assert f"| fedrcl | {e10:.4f}† (" in ema_table and f"| moon | {e10n:.4f}† (" in ema_table
+    note = ema_table.split("† Not evaluated every round")[1]
+    assert f"`{tmp_path / 'rcl'}`: evaluated every 10 rounds" in note
+    assert "applies 0.9 once per evaluation: a time constant of about 100 rounds" in note
+    assert f"`{tmp_path / 'moon'}`: evaluated every 10 rounds; its EMA applies 0.9**k" in note
+    assert f"`{tmp_path / 'avg'}`" not in note
+    assert "rounds 51-60 (in brackets: rounds 11-60)" in raw_table
+    assert f"| fedavg | {every[-10:].mean():.4f} ({every[-50:].mean():.4f}) |" in raw_table
+    # Every 10th round: the last 10 rounds hold one evaluation, the last 50 five.
+    assert f"| fedrcl | {sparse[-1]:.4f} ({sparse[-5:].mean():.4f}) |" in raw_table
+
+
+def test_a_report_of_runs_all_evaluated_every_round_has_no_mark(tmp_path):
+    from fedjax_rcl.report import load_run, table
+
+    _fake_run(tmp_path / "a", "algorithm: fedavg\nseed: 0\n", [0.1, 0.2, 0.3])
+    text = table([load_run(tmp_path / "a")], [3])
+    assert "†" not in text and "Not evaluated every round" not in text
+
+
+def _keep_figures(monkeypatch):
+    plt = pytest.importorskip("matplotlib.pyplot")
+    figures = []
+    monkeypatch.setattr(plt, "close", figures.append)
+    return figures
+
+
+def test_titles_name_the_split_clients_and_seeds_and_the_band_is_explained(tmp_path,
+                                                                            monkeypatch):
+    """Panels are titled by what their runs share (split, clients, seeds), never "all runs";
+    the curves show the raw accuracy beside the EMA; report.md's caption explains the band."""
+    import numpy as np
+
+    rng = np.random.default_rng(6)
+    dirs = []
+    for s in (0, 1):
+        for m in ("fedavg", "fedrcl"):
+            _fake_run(tmp_path / f"{m}-{s}", f"algorithm: {m}\nseed: {s}\npartition: dirichlet\n"
+                      "alpha: 0.3\nnum_clients: 100\n", rng.uniform(0.1, 0.5, 4))
+            dirs.append(str(tmp_path / f"{m}-{s}"))
+    figures = _keep_figures(monkeypatch)
+    out = tmp_path / "rep"
+    assert main(["report", *dirs, "--out", str(out)]) == 0
+    text = (out / "report.md").read_text()
+    assert "all runs" not in text
+    assert "| method | Dirichlet alpha 0.3, 100 clients, seeds 0, 1 |" in text
+    assert "shaded band is the EMA's mean ± one standard deviation over the seeds" in text
+    ax = figures[0].axes[0]
+    assert ax.get_title() == "Dirichlet alpha 0.3, 100 clients, seeds 0, 1"
+    assert "band" in figures[0]._suptitle.get_text()
+    assert len(ax.lines) == 4  # per method: the raw mean (thin) and the EMA mean (thick)
+    assert sorted(line.get_linewidth() for line in ax.lines) == [0.7, 0.7, 2, 2]
+
+
+def test_a_beta_sweep_is_summarised_per_value_beside_another_method(tmp_path, monkeypatch):
+    """FedRCL at two betas, two seeds each, and a FedAvg baseline in the same report: the sweep
+    plot is drawn, one point per beta (the mean over its seeds, bars of ± one sd), not one per
+    run; its title names the split, clients and seeds."""
+    import numpy as np
+
+    from fedjax_rcl.report import _beta_sweep, load_run
+
+    rng = np.random.default_rng(7)
+    dirs, final = [], {}
+    for beta in (0.5, 2.0):
+        for s in (0, 1):
+            name = f"rcl-{beta}-{s}"
+            final[beta, s] = _fake_run(tmp_path / name, f"algorithm: fedrcl\nseed: {s}\n"
+                                       f"fedrcl:\n  beta: {beta}\npartition: iid\n",
+                                       rng.uniform(0.1, 0.5, 12))
+            dirs.append(str(tmp_path / name))
+    _fake_run(tmp_path / "avg", "algorithm: fedavg\nseed: 0\npartition: iid\n",
+              rng.uniform(0.1, 0.5, 12))
+    dirs.append(str(tmp_path / "avg"))
+    sweep = _beta_sweep([load_run(d) for d in dirs])
+    (points,) = sweep.values()
+    assert sorted(points) == [0.5, 2.0]
+    assert [e for e, _ in points[0.5]] == [final[0.5, 0], final[0.5, 1]]
+    figures = _keep_figures(monkeypatch)
+    out = tmp_path / "rep"
+    assert main(["report", *dirs, "--out", str(out)]) == 0
+    assert (out / "beta_sweep.png").stat().st_size > 10_000
+    ax = figures[-1].axes[0]
+    assert ax.get_title().endswith("IID, seeds 0, 1")
+    ema_line = ax.lines[0]
+    assert list(ema_line.get_xdata()) == [0.5, 2.0]
+    want = [np.mean([final[b, 0], final[b, 1]]) for b in (0.5, 2.0)]
+    np.testing.assert_allclose(np.asarray(ema_line.get_ydata(), np.float64), want, rtol=1e-12)

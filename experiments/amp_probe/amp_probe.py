@@ -31,12 +31,12 @@ rounds the gradient to float16, turning anything past 65504 into inf. The loss s
 fresh per client per round, with ``unscale_`` before clipping as the authors do.
 
 Model and setting: ResNet-10 (one BasicBlock per stage), width 16, GroupNorm(2) -- our CPU-scale
-stand-in for the paper's ResNet-18 -- on real CIFAR-10 split over 100 clients by the reference's
-balanced Dirichlet(0.3); 5 clients per round (seeded), 5 local epochs of batch 50, lr 0.1 *
-0.998^(round + epoch), clip 10, weight decay 1e-3, uniform averaging (``fedjax_rcl.torch_reference``
-mirrors our objectives and optimizer). The arms advance round by round together, so a run cut
-short by ``--cpu-budget-s`` leaves all arms at the same round; the JSON is rewritten after every
-round.
+stand-in for the paper's ResNet-18 -- on the CIFAR-10 JPEG archive split over 100 clients by the
+reference's balanced Dirichlet(0.3) procedure (drawn anew); 5 clients per round (seeded), 5 local
+epochs of batch 50, lr 0.1 * 0.998^(round + epoch), clip 10, weight decay 1e-3, uniform
+averaging (``fedjax_rcl.torch_reference`` mirrors our objectives and optimizer). The arms advance
+round by round together, so a run cut short by ``--cpu-budget-s`` leaves all arms at the same
+round; the JSON is rewritten after every round.
 
 Usage (one thread; 11 CPU minutes for the 5 rounds on a 2-core AVX2 EPYC; results and reading
 in ``experiments/amp_probe/README.md``)::

@@ -1,7 +1,8 @@
 #!/bin/bash
 # FedRCL at the paper's scale on a lent GPU (issue 12, item 2): GroupNorm ResNet-18 (width 64),
-# real CIFAR-10 (the team's JPEG zip), Dirichlet 0.3, 100 clients, 5 % per round, 5 local epochs
-# of batch 50 -- experiments/paper/cifar10_resnet18.yaml unchanged but for the data path.
+# CIFAR-10 (the team's JPEG zip, a JPEG re-encoding), Dirichlet 0.3, 100 clients, 5 % per round,
+# 5 local epochs of batch 50 -- experiments/paper/cifar10_resnet18.yaml unchanged but for the data
+# path.
 # FedAvg, FedRCL (the authors' released loss) and FedRCL (the paper's form, mining=none) run side
 # by side on the one GPU for SECONDS each, then stop with SIGINT (a clean stop: exit 130, every
 # evaluated round already in metrics.jsonl). Written for the device tool's 15-minute lease:
@@ -13,14 +14,18 @@
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 -d .whl omegaconf==2.4.0
 #   # there (carry .devdata and .whl):
 #   SECONDS_PER_RUN=400 bash experiments/paper_resnet18_gpu/device_paper_resnet18.sh
-#   # issue 28 item 5, one run a call (500 rounds in bf16, one client at a time, evaluated
-#   # every 10 rounds: 306-314 s with compiling on an H200, ~375 s a call with start-up; two
-#   # calls fit one 15-minute lease if the second follows at once on the warm machine):
-#   ONLY=fedavg SECONDS_PER_RUN=420 EXTRA="precision=bf16 rounds=500 eval_every=10" \
+#   # one run a call (500 rounds in bf16, one client at a time), evaluated every round as the
+#   # config says, so that its EMA is the paper's per-round EMA (issue 28's runs evaluated every
+#   # 10th round took 306-314 s with compiling on an H200; every round adds 450 evaluations,
+#   # not yet timed):
+#   ONLY=fedavg SECONDS_PER_RUN=480 EXTRA="precision=bf16 rounds=500" \
 #     bash experiments/paper_resnet18_gpu/device_paper_resnet18.sh
 #
-# The decoded images are byte-identical to the zip's (checked: every array equal, and the named
-# CIFAR-10 mean/std recognised from the folder as from the zip). Results: $OUT/<run>.jsonl,
+# The data: the team's CIFAR-10 zip, a JPEG re-encoding of CIFAR-10 (32x32 JPEG files, quality
+# 75 with 4:2:0 chroma subsampling), not the lossless binary release. The tar.xz holds the
+# zip's JPEG files unchanged: decoded from the folder they give arrays equal to those decoded
+# from the zip (checked: every array equal, and the named CIFAR-10 mean/std recognised from the
+# folder as from the zip). Results: $OUT/<run>.jsonl,
 # $OUT/<run>.log; experiments/paper_resnet18_gpu/README.md records what came back.
 set -u
 OUT=${OUT:-/tmp/out}

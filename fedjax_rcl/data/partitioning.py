@@ -7,8 +7,9 @@ A partition is a ``list[np.ndarray]``: one int64 array of train-set indices per 
 ascending, pairwise disjoint. The methods (see :func:`partition`):
 
 * ``iid`` -- uniform random equal split.
-* ``dirichlet`` with ``balanced=True`` -- the FedRCL reference's split (paper Table 1): equal-size
-  clients whose label mix follows a per-client Dirichlet draw.
+* ``dirichlet`` with ``balanced=True`` -- the FedRCL reference's split procedure (paper Table
+  1), drawn anew from the seed: equal-size clients whose label mix follows a per-client
+  Dirichlet draw.
 * ``dirichlet`` with ``balanced=False`` -- MOON's / NIID-Bench's ``noniid-labeldir`` split: each
   class is divided among clients by a per-class Dirichlet draw, so client sizes vary.
 * ``shards`` -- the pathological split of FedAvg (McMahan et al. 2017) used in FedRCL App. C.

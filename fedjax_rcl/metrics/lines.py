@@ -15,8 +15,9 @@ from collections.abc import Sequence
 __all__ = ["ANALYSIS_KEYS", "ANALYSIS_PREFIXES", "LOOP_KEYS", "is_analysis_key", "loss_terms"]
 
 # Written by the loop on every line.
-LOOP_KEYS = ("round", "test_accuracy", "test_accuracy_ema", "test_loss", "train_loss",
-             "round_s", "elapsed_s", "total_s")
+LOOP_KEYS = ("round", "test_accuracy", "test_accuracy_ema", "ema_rounds", "test_accuracy_last10",
+             "test_accuracy_last50", "test_loss", "train_loss", "round_s", "elapsed_s",
+             "total_s")
 # Diagnostics of local training, not loss terms: the share of float16 steps skipped for
 # non-finite gradients (``precision=fp16``).
 DIAGNOSTIC_KEYS = ("amp_skipped",)
