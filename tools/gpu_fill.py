@@ -99,12 +99,16 @@ d["jax_plugins"] = {x.metadata["Name"]: x.version for x in m.distributions()
                     if x.metadata["Name"] and x.metadata["Name"].lower().replace("_", "-")
                     .startswith(("jax-cuda", "jax-rocm", "libtpu", "nvidia-cudnn",
                                  "nvidia-cublas", "nvidia-cuda-runtime"))}
+d["cuda"] = {}
 try:
     from jax._src.lib import cuda_versions as v
-    d["cuda"] = {"runtime": v.cuda_runtime_get_version(), "cudnn": v.cudnn_get_version(),
-                 "cublas": v.cublas_get_version(), "driver": v.cuda_driver_get_version()}
 except Exception as e:
-    d["cuda"] = f"not read: {type(e).__name__}"
+    v, d["cuda"] = None, f"not read: {type(e).__name__}"
+for name in ("cuda_runtime", "cuda_driver", "cudnn", "cublas", "cupti"):
+    try:
+        d["cuda"][name] = getattr(v, name + "_get_version")()
+    except Exception:
+        pass
 try:
     d["jax_environment_info"] = jax.print_environment_info(return_string=True)
 except Exception as e:
