@@ -94,7 +94,7 @@ class CoreConfig:
         ordinary run directory ``run_dir/seed-<s>`` with ``seed: s``, equal to that seed run
         alone; ``seed`` is then unused. Empty: one run.
       runs_in_parallel: with ``seeds`` or a ``sweep``, runs trained side by side (``vmap``)
-        within the program; 1: one after another; 0: all at once.
+        within the program; 1: one after another; 0: all or 1, by the layout cost model.
       sweep: one float setting's values, one run each in the same program (``sweep.key``,
         ``sweep.values``; ``fedrcl.beta=[0.5,1,2]`` sets both); with ``seeds``, one run per
         value and seed. Each is an ordinary run directory ``run_dir/<key>-<value>[-seed-<s>]``.

@@ -27,9 +27,11 @@ stacked on the run axis and the rounds between two evaluations are ``lax.map``pe
 the runs go one after another inside the program, each with the arithmetic it has alone (the
 tests compare seeds bitwise; a swept value is an operand where the run alone has a constant
 XLA may fold, so a sweep agrees within float reassociation), which is what a CPU wants.
-``runs_in_parallel=K`` instead trains groups of K runs side by side (``vmap``; 0: all), as an
+``runs_in_parallel=K`` instead trains groups of K runs side by side (``vmap``), as an
 accelerator that one small run leaves idle may want; results then agree within float
-reassociation. A grid whose runs' states cannot fit on the device is refused before compiling
+reassociation. ``runs_in_parallel=0`` lets the layout cost model choose between all runs side
+by side and one after another (``runs_in_parallel``), as ``clients_in_parallel=0`` chooses for
+the clients. A grid whose runs' states cannot fit on the device is refused before compiling
 (``check_fits``).
 
 ``fedjax-rcl resume RUN_DIR`` continues every member from the newest round all of them have a
@@ -62,9 +64,16 @@ from fedjax_rcl.config import (
     with_setting,
 )
 from fedjax_rcl.data import ImageDataset, load_dataset
-from fedjax_rcl.engine.round import make_run_rounds
+from fedjax_rcl.engine import layout
+from fedjax_rcl.engine.round import clients_per_round, make_run_rounds
 from fedjax_rcl.engine.sharding import to_host
-from fedjax_rcl.experiment import Experiment, build, make_partition
+from fedjax_rcl.experiment import (
+    Experiment,
+    build,
+    clients_in_parallel,
+    make_partition,
+    training_step_gflop,
+)
 from fedjax_rcl.loop import (
     Callback,
     Sink,
@@ -94,7 +103,7 @@ from fedjax_rcl.validation import ConfigError
 __all__ = ["GridProgram", "build_members", "check_fits", "check_sweep", "compile_grid",
            "continue_grid",
            "device_memory", "evaluate_grid", "member_configs",
-           "member_dir", "train_grid"]
+           "member_dir", "runs_in_parallel", "train_grid"]
 
 
 def member_dir(parent: Path, seed: int) -> Path:
@@ -192,6 +201,27 @@ def _member(tree, i: int):
     return jax.tree.map(lambda x: x[i], tree)
 
 
+def runs_in_parallel(exps: list[Experiment], platform: str | None = None) -> int:
+    """How many of the members train side by side: ``runs_in_parallel`` as configured (at most
+    every member), its 0 resolved by the layout cost model (``layout.runs_side_by_side``): all
+    of them when the step work they put on the device together (members x the clients a member
+    trains side by side x one client's training-step GFLOP, ``training_step_gflop``) is below
+    the platform's threshold, else 1 (one after another, each with the arithmetic of its run
+    alone). The members share one program, so the first member's model and settings stand for
+    all. ``platform``: default JAX's backend."""
+    first = exps[0]
+    cfg = first.cfg
+    if cfg.runs_in_parallel:
+        return min(cfg.runs_in_parallel, len(exps))
+    step = training_step_gflop(first.model, first.state.params, first.state.model_state,
+                               first.dataset.image_shape, cfg.batch_size,
+                               registry.algorithm(cfg.algorithm).num_views)
+    per_round = clients_per_round(cfg.num_clients, cfg.participation)
+    platform = platform or jax.default_backend()
+    clients = min(clients_in_parallel(cfg, step, platform) or per_round, per_round)
+    return len(exps) if layout.runs_side_by_side(len(exps), clients, step, platform) else 1
+
+
 @dataclasses.dataclass(frozen=True)
 class GridProgram:
     """The compiled grid: ``advance(states, n) -> (states, metrics [R, n, ...])`` and
@@ -241,8 +271,8 @@ def compile_grid(exps: list[Experiment], states, log: Callable[[str], None] = pr
     their evaluation, once (``key``: the swept setting, a traced value per member)."""
     first = exps[0]
     capacity = first.cfg.eval_every
-    group = first.cfg.runs_in_parallel or len(exps)
-    batch = None if group <= 1 else min(group, len(exps))  # lax.map: vmap within groups
+    group = runs_in_parallel(exps)
+    batch = None if group <= 1 else group  # lax.map: vmap within groups
     rounds_for, values = _member_rounds(exps, key)
     values = jax.device_put(values)
     indices = jax.device_put(np.stack([np.asarray(e.data.client_indices) for e in exps]))
@@ -260,7 +290,10 @@ def compile_grid(exps: list[Experiment], states, log: Callable[[str], None] = pr
         return jax.lax.map(lambda s: first.evaluate(s.params, s.model_state, test), states,
                            batch_size=batch)
 
-    log(f"compiling the round of {len(exps)} runs (once; a repeat reads JAX's cache)...")
+    side = ("one after another" if group <= 1 else "side by side" if group == len(exps)
+            else f"{group} side by side at a time")
+    log(f"compiling the round of {len(exps)} runs, {side} (once; a repeat reads JAX's "
+        "cache)...")
     t0 = time.perf_counter()
     n0 = jax.device_put(np.int32(capacity))
     compiled = jax.jit(advance_all, donate_argnums=0).lower(

@@ -132,13 +132,13 @@ def test_bad_grids_are_refused_with_the_field_and_what_is_allowed(tmp_path, caps
 
 
 def test_runs_side_by_side_agree_with_runs_one_after_another(tmp_path):
-    """``runs_in_parallel=0`` vmaps the runs: the same results up to float reassociation (at
-    a small learning rate: at lr=0.1 this CNN amplifies last-bit differences to 1e-3 within a
-    round, as it does between two convolution implementations)."""
+    """``runs_in_parallel=2`` vmaps the two runs: the same results up to float reassociation
+    (at a small learning rate: at lr=0.1 this CNN amplifies last-bit differences to 1e-3
+    within a round, as it does between two convolution implementations)."""
     slow = [*GRID, "lr=0.005"]
     mapped = fedjax_rcl.train(None, *slow, "rounds=2", "seeds=[0,1]",
                               f"run_dir={tmp_path / 'mapped'}")
-    side = fedjax_rcl.train(None, *slow, "rounds=2", "seeds=[0,1]", "runs_in_parallel=0",
+    side = fedjax_rcl.train(None, *slow, "rounds=2", "seeds=[0,1]", "runs_in_parallel=2",
                             f"run_dir={tmp_path / 'side'}")
     for a, b in zip(mapped.members, side.members, strict=True):
         ra, rb = _rows(a.run_dir), _rows(b.run_dir)
@@ -148,6 +148,40 @@ def test_runs_side_by_side_agree_with_runs_one_after_another(tmp_path):
                 assert x[k] == pytest.approx(y[k], rel=1e-4, abs=1e-4), k
         for x, y in zip(_params(a.run_dir)[1], _params(b.run_dir)[1], strict=True):
             np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-4, atol=1e-5)
+
+
+def test_runs_in_parallel_0_follows_the_layout_cost_model(monkeypatch):
+    """``runs_in_parallel=0`` puts all runs side by side iff their step work together (runs x
+    clients a run trains side by side x one client's training-step GFLOP) is below the
+    platform's threshold, else one after another; the threshold is moved around this grid's
+    work (no timing). A configured count is kept, at most the number of runs."""
+    from dataclasses import replace
+
+    from fedjax_rcl import grid
+    from fedjax_rcl.config import load_config
+    from fedjax_rcl.engine import layout
+    from fedjax_rcl.experiment import training_step_gflop
+
+    cfg = load_config(None, [*GRID, "seeds=[0,1,2]", "runs_in_parallel=0"])
+    exps = grid.build_members(grid.member_configs(cfg, None))
+    e = exps[0]
+    step = training_step_gflop(e.model, e.state.params, e.state.model_state,
+                               e.dataset.image_shape, 32)
+    assert step > 0
+    work = 3 * 3 * step  # 3 runs x 3 clients a round (5 x 0.6), side by side, x one step
+    for platform in ("cpu", "gpu"):
+        for threshold, expected in [(work * 1.01, 3), (work, 1), (work * 0.99, 1),
+                                    (work / 3 * 1.01, 1), (step * 0.5, 1)]:
+            monkeypatch.setitem(layout.SIDE_BY_SIDE_BELOW_GFLOP, platform, threshold)
+            assert grid.runs_in_parallel(exps, platform) == expected, (platform, threshold)
+    # Clients one after another within a run put one client's step per run on the device.
+    apart = [replace(e, cfg=replace(e.cfg, clients_in_parallel=1))]
+    monkeypatch.setitem(layout.SIDE_BY_SIDE_BELOW_GFLOP, "gpu", 3 * step * 1.01)
+    assert grid.runs_in_parallel(apart * 3, "gpu") == 3
+    assert grid.runs_in_parallel(exps, "gpu") == 1  # 3 clients side by side each: 9 steps
+    for k, expected in [(1, 1), (2, 2), (5, 3)]:
+        configured = [replace(e, cfg=replace(e.cfg, runs_in_parallel=k))]
+        assert grid.runs_in_parallel(configured * 3, "gpu") == expected
 
 
 def test_a_grid_that_cannot_fit_is_refused_before_compiling(tmp_path, monkeypatch, capsys):

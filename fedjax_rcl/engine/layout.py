@@ -112,6 +112,18 @@ def side_by_side(step_gflop: float, platform: str) -> bool:
     return step_gflop < SIDE_BY_SIDE_BELOW_GFLOP.get(platform, math.inf)
 
 
+def runs_side_by_side(runs: int, clients: int, step_gflop: float, platform: str) -> bool:
+    """Whether ``runs`` runs of one program (``seeds=[...]``, a sweep) train side by side on
+    ``platform``, each with ``clients`` clients side by side whose training step costs
+    ``step_gflop`` GFLOP: the clients' rule applied to the step work all of them put on the
+    device at once, ``runs x clients x step_gflop``. Below the threshold, one run's step leaves
+    the machine idle and the runs fill it together; at or above it, the runs' work already fills
+    it, and side by side only adds memory and (on a GPU) grouped convolutions over the run axis
+    as well as the client axis. The threshold is the one fitted to the client layouts;
+    BENCHMARKS.md keeps the table of runs side by side that can refit it."""
+    return side_by_side(runs * clients * step_gflop, platform)
+
+
 def fit_threshold(best: dict[float, bool]) -> float | None:
     """The threshold the cost model would use given ``{step GFLOP: fastest side by side?}``:
     the geometric mean of the largest side-by-side step and the smallest one-at-a-time step,

@@ -1,0 +1,138 @@
+"""tools/trace_summary.py: operations are put in the right category from the optimised HLO,
+and a trace's time is split into category shares and idle time by its intervals."""
+
+import gzip
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+import trace_summary  # noqa: E402
+
+HLO = """HloModule jit_run_rounds, is_scheduled=true
+
+%fused_conv (param_0: f32[8,16,16,4], param_1: f32[3,3,4,8]) -> f32[8,16,16,8] {
+  %param_0 = f32[8,16,16,4]{3,2,1,0} parameter(0)
+  %param_1 = f32[3,3,4,8]{3,2,1,0} parameter(1)
+  %convolution.3 = f32[8,16,16,8]{3,2,1,0} convolution(%param_0, %param_1), window={size=3x3}
+  ROOT %tanh.1 = f32[8,16,16,8]{3,2,1,0} tanh(%convolution.3)
+}
+
+%fused_moves (param_0.1: f32[8,64]) -> f32[64,8] {
+  %param_0.1 = f32[8,64]{1,0} parameter(0)
+  %slice.2 = f32[8,32]{1,0} slice(%param_0.1), slice={[0:8], [0:32]}
+  ROOT %transpose.1 = f32[64,8]{0,1} transpose(%param_0.1), dimensions={1,0}
+}
+
+%fused_add (param_0.2: f32[64], param_1.2: f32[64]) -> f32[64] {
+  %param_0.2 = f32[64]{0} parameter(0)
+  %param_1.2 = f32[64]{0} parameter(1)
+  ROOT %add.7 = f32[64]{0} add(%param_0.2, %param_1.2)
+}
+
+%inner_dot (p: f32[8,64], q: f32[64,10]) -> f32[8,10] {
+  %p = f32[8,64]{1,0} parameter(0)
+  %q = f32[64,10]{1,0} parameter(1)
+  ROOT %dot.1 = f32[8,10]{1,0} dot(%p, %q), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+%body (arg: (s32[], f32[64])) -> (s32[], f32[64]) {
+  %arg = (s32[], f32[64]{0}) parameter(0)
+  %gte = f32[64]{0} get-tuple-element(%arg), index=1
+  %loop_add_fusion = f32[64]{0} fusion(%gte, %gte), kind=kLoop, calls=%fused_add
+  %copy.4 = f32[64]{0} copy(%loop_add_fusion)
+  ROOT %tuple = (s32[], f32[64]{0}) tuple(%gte, %copy.4)
+}
+
+ENTRY %main.9 (x: f32[8,16,16,4], w: f32[3,3,4,8], y: f32[8,64], z: f32[64,10]) -> f32[8,10] {
+  %x = f32[8,16,16,4]{3,2,1,0} parameter(0)
+  %w = f32[3,3,4,8]{3,2,1,0} parameter(1)
+  %y = f32[8,64]{1,0} parameter(2)
+  %z = f32[64,10]{1,0} parameter(3)
+  %conv_fusion = f32[8,16,16,8]{3,2,1,0} fusion(%x, %w), kind=kOutput, calls=%fused_conv
+  %gemm_fusion_dot.2 = f32[8,10]{1,0} fusion(%y, %z), kind=kCustom, calls=%inner_dot
+  %transpose_fusion = f32[64,8]{0,1} fusion(%y), kind=kLoop, calls=%fused_moves
+  %cudnn-conv.1 = (f32[8,8], u8[0]) custom-call(%x, %w), custom_call_target="__cudnn$convForward"
+  %cublas-gemm.1 = (f32[8,10], s8[0]) custom-call(%y, %z), custom_call_target="__cublas$gemm"
+  %rng = u32[4]{0} rng-bit-generator(%w), algorithm=rng_default
+  %while.1 = (s32[], f32[64]{0}) while(%x), condition=%cond, body=%body
+  ROOT %dot.9 = f32[8,10]{1,0} dot(%y, %z), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+"""
+
+
+def test_operations_are_categorised_by_what_the_hlo_says_they_compute():
+    cats = trace_summary.hlo_categories(HLO)
+    assert cats["conv_fusion"] == "convolution"  # a fusion holding a convolution
+    assert cats["cudnn-conv.1"] == "convolution"  # cuDNN's custom call
+    assert cats["gemm_fusion_dot.2"] == "matmul"  # a fusion holding a dot
+    assert cats["cublas-gemm.1"] == "matmul"
+    assert cats["dot.9"] == "matmul"
+    assert cats["transpose_fusion"] == "copy"  # only slicing and transposing
+    assert cats["loop_add_fusion"] == "elementwise"
+    assert cats["copy.4"] == "copy"
+    assert cats["rng"] == "other"
+    assert cats["while.1"] == cats["tuple"] == "control"
+
+
+def _event(ts, dur, name, pid=1, tid=1, **args):
+    return {"ph": "X", "pid": pid, "tid": tid, "ts": ts, "dur": dur, "name": name,
+            "args": args}
+
+
+def test_a_gpu_trace_splits_kernel_time_by_category_and_counts_idle_gaps(tmp_path):
+    """Device tracks only (the derived "XLA Ops" track repeats the kernels; host events are not
+    device time); a kernel known by its hlo_op takes the HLO's category, a memory copy without
+    one its name's; idle is the span less the union of kernels (here one 20 us gap)."""
+    meta = [{"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "/device:GPU:0"}},
+            {"ph": "M", "pid": 1, "tid": 1, "name": "thread_name",
+             "args": {"name": "Stream #13(Compute)"}},
+            {"ph": "M", "pid": 1, "tid": 2, "name": "thread_name", "args": {"name": "XLA Ops"}},
+            {"ph": "M", "pid": 9, "name": "process_name", "args": {"name": "/host:CPU"}}]
+    events = [_event(0, 40, "sm90_xmma_fprop", hlo_op="conv_fusion"),
+              _event(40, 20, "triton_gemm", hlo_op="gemm_fusion_dot.2"),
+              _event(80, 10, "loop_add_fusion", hlo_op="loop_add_fusion"),
+              _event(90, 10, "MemcpyD2D"),
+              _event(100, 10, "nvjet_tst_64x8", kernel_details="x"),  # in a CUDA graph
+              _event(110, 10, "k", kernel_annotation="while.1:#hlo_op=while.1#::"
+                     "cublas-gemm.1:#hlo_op=cublas-gemm.1,hlo_module=jit_run_rounds#"),
+              _event(0, 120, "conv_fusion", tid=2, hlo_op="conv_fusion"),  # derived track
+              _event(0, 500, "PjitFunction", pid=9, hlo_op="dot.9")]  # host, not device
+    path = tmp_path / "plugins" / "profile" / "run1" / "perfetto_trace.json.gz"
+    path.parent.mkdir(parents=True)
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": meta + events}, f)
+    assert trace_summary.trace_file(tmp_path) == path
+    s = trace_summary.summarise(*trace_summary.load_events(path),
+                                trace_summary.hlo_categories(HLO))
+    assert s["where"] == "device" and s["events"] == 6
+    assert s["seconds"]["convolution"] == pytest.approx(40e-6)
+    # The triton dot, the nvjet kernel (by its name) and the annotated cuBLAS call.
+    assert s["seconds"]["matmul"] == pytest.approx(40e-6)
+    assert s["seconds"]["elementwise"] == pytest.approx(10e-6)
+    assert s["seconds"]["copy"] == pytest.approx(10e-6)
+    assert s["shares"]["convolution"] == pytest.approx(0.4)
+    assert s["span_s"] == pytest.approx(120e-6) and s["idle_s"] == pytest.approx(20e-6)
+    assert s["share_named_by_hlo"] == pytest.approx(0.8)
+    assert s["top_ops"][0] == {"op": "conv_fusion", "category": "convolution", "s": 40e-6,
+                               "count": 1}
+
+
+def test_a_cpu_trace_counts_operations_on_every_thread_and_skips_control_flow():
+    """On a CPU the operations are the host events naming an HLO op; a while loop's event spans
+    its body's and is left out; two threads' overlapping operations count once in the busy
+    time."""
+    names = {"pid": {1: "/host:CPU"}, "tid": {}}
+    events = [_event(0, 100, "while.1", hlo_op="while.1"),
+              _event(0, 50, "conv_fusion", tid=1, hlo_op="conv_fusion"),
+              _event(25, 50, "dot.9", tid=2, hlo_op="dot.9"),
+              _event(50, 1, "end: conv_fusion", tid=1),
+              _event(90, 10, "copy.4", tid=1, hlo_op="copy.4"),
+              _event(0, 300, "PjitFunction", tid=3)]
+    s = trace_summary.summarise(events, names, trace_summary.hlo_categories(HLO))
+    assert s["where"] == "host" and s["events"] == 3
+    assert s["op_s"] == pytest.approx(110e-6)
+    assert s["busy_s"] == pytest.approx(85e-6) and s["span_s"] == pytest.approx(100e-6)
+    assert s["idle_share_of_span"] == pytest.approx(0.15)

@@ -1,0 +1,280 @@
+"""Where a compiled program's device time goes: a JAX profiler trace summarised as shares of
+kernel categories (convolutions, matrix products, element-wise work and other fusions, copies,
+other) and of idle time between kernels.
+
+    import jax, trace_summary
+    compiled = jax.jit(f).lower(*args).compile()
+    summary = trace_summary.profile(lambda: compiled(*args), compiled.as_text(), "/tmp/trace")
+
+``profile`` runs the call once under ``jax.profiler.trace(..., create_perfetto_trace=True)``
+and reads the ``perfetto_trace.json.gz`` it writes (Chrome trace-event JSON; the ``.xplane.pb``
+beside it needs xprof to read and is not used). Which events are the program's operations:
+
+* on a GPU or TPU, every event on the device's own tracks (``/device:GPU:0``: the kernels and
+  memory copies of each stream; derived tracks such as ``XLA Ops``, which repeat the kernels
+  under the operations' names, are skipped);
+* on a CPU, the events that name an HLO operation (``args.hlo_op``) on the host's threads.
+
+Each event is put in a category by its HLO operation, looked up in the optimised HLO of the
+program (``compiled.as_text()``): a ``convolution`` (or a custom call to cuDNN's or oneDNN's
+convolution), a ``dot`` (or a cuBLAS custom call), a fusion by what it fuses (one holding a
+convolution or a dot counts as that; one of only slicing, transposing and copying as a copy),
+the data-movement operations as copies. Control flow (``while``, ``conditional``, ``call``)
+is left out: on a CPU its event spans its body's events. An event whose operation is not in
+the HLO (a memory copy, a kernel inside a CUDA graph that carries no operation name) is
+classified by its own name. ``top_ops`` lists the costliest operations with their category,
+so that a wrong category can be seen and fixed from the file.
+
+Idle: the span from the first operation's start to the last one's end, less the time covered
+by at least one operation: launch gaps and host waits inside the call (on a CPU, where
+operations run on several threads at once, the category times can add up to more than the
+span).
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import re
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from pathlib import Path
+
+CATEGORIES = ("convolution", "matmul", "elementwise", "copy", "other")
+CONTROL = {"while", "conditional", "call", "tuple", "get-tuple-element", "parameter",
+           "constant", "bitcast", "after-all", "opt-barrier", "async-start", "async-done",
+           "async-update", "add-dependency", "partition-id", "replica-id"}
+MOVES = {"copy", "copy-start", "copy-done", "transpose", "slice", "dynamic-slice",
+         "dynamic-update-slice", "concatenate", "pad", "gather", "scatter", "reshape",
+         "broadcast", "reverse", "iota"}
+# Derived tracks of a device in the trace viewer: they repeat the kernels of the streams.
+DERIVED_TRACKS = ("xla modules", "xla ops", "framework ops", "tensorflow ops", "source code",
+                  "steps", "launch stats", "xla traceme", "framework name scope",
+                  "tensorflow name scope", "host threads")
+
+_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s+\(.*\)\s+->\s+.*\{\s*$")
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s+=\s+.*?\s([a-z][a-z0-9\-_]*)\(")
+_CALLS = re.compile(r"(?:calls|to_apply|body|condition)=%?([\w.\-]+)")
+_TARGET = re.compile(r'custom_call_target="([^"]*)"')
+_ANNOTATED = re.compile(r"hlo_op=([\w.\-]+)")
+
+
+def _by_name(text: str) -> str:
+    """The category of an operation or kernel known only by its name."""
+    t = text.lower()
+    if re.search(r"conv(?!ert)|fprop|dgrad|wgrad|winograd|convolve|implicit_gemm|cudnn", t):
+        return "convolution"
+    if re.search(r"gemm|gemv|matmul|cublas|nvjet|\bdot\b|dot[._]", t):
+        return "matmul"
+    if re.search(r"memcpy|memset|copy|transpose|slice|concatenate|gather|scatter|\bpad", t):
+        return "copy"
+    if re.search(r"fusion|reduce|add|mul|sub|div|exp|log|tanh|max|min|select|compare|"
+                 r"convert|broadcast|negate|rsqrt|sqrt|power", t):
+        return "elementwise"
+    return "other"
+
+
+def _custom_call(target: str) -> str:
+    t = target.lower()
+    if "conv" in t:
+        return "convolution"
+    if re.search(r"gemm|matmul|cublas", t):
+        return "matmul"
+    return "other"
+
+
+def hlo_categories(hlo_text: str) -> dict[str, str]:
+    """``{instruction name: category}`` (``CATEGORIES`` or ``"control"``) for every instruction
+    of an optimised HLO module's text (``compiled.as_text()``)."""
+    comps: dict[str, list[tuple[str, str, str]]] = {}
+    current = None
+    for line in hlo_text.splitlines():
+        m = _COMPUTATION.match(line)
+        if m:
+            current = comps.setdefault(m.group(1), [])
+            continue
+        if line.strip() == "}":
+            current = None
+            continue
+        m = _INSTRUCTION.match(line)
+        if m and current is not None:
+            current.append((m.group(1), m.group(2), line))
+
+    memo: dict[str, set[str]] = {}
+
+    def contents(comp: str, seen: frozenset = frozenset()) -> set[str]:
+        """The kinds of work inside a computation and the computations it calls."""
+        if comp in memo:
+            return memo[comp]
+        kinds: set[str] = set()
+        for _, op, line in comps.get(comp, ()):
+            if op == "convolution":
+                kinds.add("convolution")
+            elif op == "dot":
+                kinds.add("matmul")
+            elif op == "custom-call":
+                t = _TARGET.search(line)
+                kinds.add(_custom_call(t.group(1)) if t else "other")
+            elif op in MOVES:
+                kinds.add("copy")
+            elif op not in CONTROL:
+                kinds.add("elementwise")
+            for callee in _CALLS.findall(line):
+                if callee in comps and callee not in seen:
+                    kinds |= contents(callee, seen | {comp})
+        memo[comp] = kinds
+        return kinds
+
+    out: dict[str, str] = {}
+    for instrs in comps.values():
+        for name, op, line in instrs:
+            if op == "convolution":
+                out[name] = "convolution"
+            elif op == "dot":
+                out[name] = "matmul"
+            elif op == "custom-call":
+                t = _TARGET.search(line)
+                out[name] = _custom_call(t.group(1)) if t else "other"
+            elif op == "fusion":
+                called = _CALLS.findall(line)
+                kinds = set().union(*(contents(c) for c in called)) if called else set()
+                for k in ("convolution", "matmul", "elementwise", "copy"):
+                    if k in kinds:
+                        out[name] = k
+                        break
+                else:
+                    out[name] = "elementwise"
+            elif op in CONTROL:
+                out[name] = "control"
+            elif op in MOVES:
+                out[name] = "copy"
+            elif op in ("rng-bit-generator", "rng", "sort", "rng-get-and-update-state"):
+                out[name] = "other"
+            else:
+                out[name] = "elementwise"
+    return out
+
+
+def trace_file(log_dir: str | Path) -> Path:
+    """The newest trace-event JSON ``jax.profiler.trace`` wrote under ``log_dir``."""
+    found = sorted(Path(log_dir).glob("plugins/profile/*/perfetto_trace.json.gz")) or sorted(
+        Path(log_dir).glob("plugins/profile/*/*.trace.json.gz"))
+    if not found:
+        raise FileNotFoundError(f"no trace-event JSON under {log_dir}/plugins/profile")
+    return found[-1]
+
+
+def load_events(path: str | Path) -> tuple[list[dict], dict]:
+    """The complete events (``ph == "X"``) of a trace-event JSON file, and the names of its
+    processes and threads (``{"pid": {pid: name}, "tid": {(pid, tid): name}}``)."""
+    with gzip.open(path, "rt") if str(path).endswith(".gz") else open(path) as f:
+        doc = json.load(f)
+    events = doc["traceEvents"] if isinstance(doc, dict) else doc
+    names: dict = {"pid": {}, "tid": {}}
+    for e in events:
+        if e.get("ph") == "M" and e.get("name") == "process_name":
+            names["pid"][e.get("pid")] = str(e.get("args", {}).get("name", ""))
+        elif e.get("ph") == "M" and e.get("name") == "thread_name":
+            names["tid"][(e.get("pid"), e.get("tid"))] = str(e.get("args", {}).get("name", ""))
+    return [e for e in events if e.get("ph") == "X" and "dur" in e], names
+
+
+def op_events(events: list[dict], names: dict) -> tuple[list[dict], str]:
+    """The events that are the program's operations (module docstring), and where they ran:
+    ``"device"`` (an accelerator's tracks) or ``"host"`` (a CPU's threads)."""
+    devices = {pid for pid, n in names["pid"].items() if n.startswith("/device:")}
+    if devices:
+        def kept(e):
+            track = names["tid"].get((e.get("pid"), e.get("tid")), "").lower()
+            return e.get("pid") in devices and not track.startswith(DERIVED_TRACKS)
+
+        return [e for e in events if kept(e)], "device"
+    return [e for e in events if "hlo_op" in e.get("args", {})
+            and not e.get("name", "").startswith("end: ")], "host"
+
+
+def _hlo_op(args: dict) -> str:
+    """The HLO operation an event ran: its ``hlo_op`` argument, else the innermost one named
+    in an annotation argument (a GPU kernel's ``kernel_annotation``, e.g.
+    ``while.2:#hlo_op=while.2#::fusion.3:#hlo_op=fusion.3,hlo_module=...#``), else ``""``."""
+    if args.get("hlo_op"):
+        return str(args["hlo_op"])
+    for v in args.values():
+        found = _ANNOTATED.findall(v) if isinstance(v, str) else []
+        if found:
+            return found[-1]
+    return ""
+
+
+def _category(hlo_op: str, name: str, categories: dict[str, str]) -> tuple[str, bool]:
+    """(category, whether the HLO named it): by the operation, else by a kernel named after
+    its fusion (``loop_add_fusion_3`` for ``loop_add_fusion.3``), else by the names."""
+    for key in (hlo_op, name, re.sub(r"_(\d+)$", r".\1", name)):
+        if key and key in categories:
+            return categories[key], True
+    return _by_name(f"{hlo_op} {name}"), False
+
+
+def _union(intervals: list[tuple[float, float]]) -> float:
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(intervals):
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return total
+
+
+def summarise(events: list[dict], names: dict, categories: dict[str, str],
+              top: int = 30) -> dict:
+    """Per-category time (seconds), shares of the summed operation time, the idle share of the
+    span, and the ``top`` costliest operations (trace times are microseconds)."""
+    ops, where = op_events(events, names)
+    per = dict.fromkeys(CATEGORIES, 0.0)
+    count = dict.fromkeys(CATEGORIES, 0)
+    by_op: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0.0, 0])
+    intervals, named = [], 0.0
+    for e in ops:
+        hlo_op = _hlo_op(e.get("args", {}))
+        cat, by_hlo = _category(hlo_op, str(e.get("name", "")), categories)
+        if cat == "control":
+            continue
+        named += e["dur"] if by_hlo else 0.0
+        per[cat] += e["dur"]
+        count[cat] += 1
+        key = (hlo_op or e.get("name", "?"), cat)
+        by_op[key][0] += e["dur"]
+        by_op[key][1] += 1
+        intervals.append((e["ts"], e["ts"] + e["dur"]))
+    total = sum(per.values())
+    busy = _union(intervals)
+    span = (max(b for _, b in intervals) - min(a for a, _ in intervals)) if intervals else 0.0
+    worst = sorted(by_op.items(), key=lambda kv: -kv[1][0])[:top]
+    return {
+        "where": where, "events": len(intervals),
+        "op_s": total / 1e6, "span_s": span / 1e6, "busy_s": busy / 1e6,
+        "idle_s": (span - busy) / 1e6, "idle_share_of_span": (span - busy) / span if span else 0,
+        "seconds": {k: v / 1e6 for k, v in per.items()}, "counts": count,
+        "shares": {k: (v / total if total else 0.0) for k, v in per.items()},
+        "share_named_by_hlo": named / total if total else 0.0,
+        "top_ops": [{"op": k[0], "category": k[1], "s": v[0] / 1e6, "count": v[1]}
+                    for k, v in worst],
+    }
+
+
+def profile(call: Callable[[], object], hlo_text: str, log_dir: str | Path,
+            top: int = 30) -> dict:
+    """Runs ``call`` (which must wait for its results) once under the JAX profiler and
+    summarises the trace (``summarise``); adds the call's wall seconds and the trace's path
+    and size."""
+    import jax
+
+    log_dir = Path(log_dir)
+    with jax.profiler.trace(str(log_dir), create_perfetto_trace=True):
+        t = time.perf_counter()
+        call()
+        wall = time.perf_counter() - t
+    path = trace_file(log_dir)
+    events, names = load_events(path)
+    out = summarise(events, names, hlo_categories(hlo_text), top)
+    return {**out, "wall_s": wall, "trace": str(path), "trace_bytes": path.stat().st_size}
