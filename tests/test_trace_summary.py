@@ -3,13 +3,10 @@ and a trace's time is split into category shares and idle time by its intervals.
 
 import gzip
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
-import trace_summary  # noqa: E402
+from fedjax_rcl.engine import trace_summary
 
 HLO = """HloModule jit_run_rounds, is_scheduled=true
 

@@ -8,7 +8,7 @@ limit keeps what it measured), the most telling configurations first:
 1. ``profile.json``: pfl-research's CIFAR-10 workload (``experiments/pfl_cifar10.yaml``: 50
    clients of 50 images a round, 5 steps of batch 10, pfl's CNN) on fake CIFAR-shaped data.
    One fused round of the current formulation (clients side by side, ``vmap``, fp32) under
-   the JAX profiler, summarised by ``tools/trace_summary.py`` as shares of convolutions,
+   the JAX profiler, summarised by ``fedjax_rcl.engine.trace_summary`` as shares of convolutions,
    matrix products, element-wise work, copies and idle time; then the other formulations,
    each compiled in this process, timed in rotation with the current one (same process, so
    every ratio is a same-run ratio) and profiled too: the patch convolutions (the client axis
@@ -249,7 +249,8 @@ class Formulation:
 def part_profile(out: Path, deadline: Deadline, args) -> None:
     import jax
     from bench_round import machine, matmul_peak_gflops
-    from trace_summary import profile
+
+    from fedjax_rcl.engine.trace_summary import profile
 
     rounds, passes = (2, 2) if tiny() else (10, 3)
     data = _fake(5000, 500) if tiny() else _fake(50_000, 1000)

@@ -2,7 +2,8 @@
 kernel categories (convolutions, matrix products, element-wise work and other fusions, copies,
 other) and of idle time between kernels.
 
-    import jax, trace_summary
+    import jax
+    from fedjax_rcl.engine import trace_summary
     compiled = jax.jit(f).lower(*args).compile()
     summary = trace_summary.profile(lambda: compiled(*args), compiled.as_text(), "/tmp/trace")
 
