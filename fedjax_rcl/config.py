@@ -630,9 +630,11 @@ def degenerate_settings(cfg: CoreConfig) -> list[str]:
     """Valid settings that probably do not do what was meant, one line each (a warning at the
     start of a run, not an error): a participation that rounds to fewer clients than it says,
     and an evaluation interval the run never reaches before its end."""
+    from fedjax_rcl.engine.round import clients_per_round
+
     out = []
     expected = cfg.participation * cfg.num_clients
-    m = max(int(expected), 1)
+    m = clients_per_round(cfg.num_clients, cfg.participation)
     if expected < 1:
         out.append(f"participation={cfg.participation:g} x num_clients={cfg.num_clients} = "
                    f"{expected:g} clients: each round samples {m} client (the minimum)")

@@ -175,9 +175,7 @@ def rounds_stage(exp: Experiment, program: Program, ckpt: Checkpointer, acc_ema:
     cfg = exp.cfg
     analyze = None
     if cfg.analysis_every:
-        from fedjax_rcl.engine.analysis import make_analysis
-
-        analyze = make_analysis(exp, cfg.analysis_images)
+        analyze = exp.analysis(cfg.analysis_images)
     ema_now = [acc_ema]
 
     def advance(state, done, n):
