@@ -1,10 +1,11 @@
 """What the config can name: algorithms, models, server optimizers and datasets, each registered
-by its own module, built-in or the user's.
+by its own module, built-in or the user's, and the values of the core keys that models and layers
+offer (``precision``, ``conv_impl``, ``norm``: ``register_choices``).
 
 An entry names its builder and, optionally, a config section: a dataclass of hyperparameters
 with defaults that becomes a key of the run config (``fedprox.mu``, ``server.fedadam.tau``),
-type-checked by OmegaConf and value-checked by the section's own ``check``. ``config.py`` builds
-its schema from these entries and knows no particular algorithm, model or optimizer.
+type-checked by OmegaConf and value-checked by the section's own ``check``. ``fedjax_rcl.config``
+builds its schema from these entries and knows no particular algorithm, model or optimizer.
 
 Built-in entries register when their packages are imported (``load_builtins``: every module of
 ``fedjax_rcl.algorithms``, ``fedjax_rcl.models`` and ``fedjax_rcl.server``, then the
@@ -147,10 +148,29 @@ class DatasetEntry:
     origin: str | None = None
 
 
+@dataclasses.dataclass(frozen=True)
+class ChoiceEntry:
+    """The values a core config key may take that models and layers offer (``precision``,
+    ``conv_impl``, ``norm``), registered by the module that implements them, so that the config
+    names them without importing that module.
+
+    Attributes:
+      name: the config key.
+      values: its allowed values.
+      check: ``value -> problem line or None``, for a value that is allowed but cannot run here
+        (``conv_impl=onednn`` without the oneDNN extension); None: every value runs.
+    """
+
+    name: str
+    values: tuple[str, ...]
+    check: Callable[[str], str | None] | None = None
+
+
 ALGORITHMS: dict[str, AlgorithmEntry] = {}
 MODELS: dict[str, ModelEntry] = {}
 SERVER_OPTIMIZERS: dict[str, ServerOptimizerEntry] = {}
 DATASETS: dict[str, DatasetEntry] = {}
+CHOICES: dict[str, ChoiceEntry] = {}
 # Dataset names the data sources own (``imagefolder:PATH`` is a prefix).
 BUILTIN_DATASETS = ("digits", "cifar10", "cifar100", "tiny_imagenet")
 # Config keys an algorithm section may not take (the run config's own top-level keys); set by
@@ -232,6 +252,20 @@ def register_dataset(name: str, loader: Callable[..., Any], *,
     entry = DatasetEntry(name, loader, _importing_plugin)
     _add(DATASETS, entry, "dataset", replace)
     return entry
+
+
+def register_choices(name: str, values, *, check: Callable[[str], str | None] | None = None,
+                     replace: bool = False) -> ChoiceEntry:
+    """Makes ``values`` the allowed values of the config key ``name`` (see ``ChoiceEntry``)."""
+    entry = ChoiceEntry(name, tuple(values), check)
+    _add(CHOICES, entry, "config key", replace)
+    return entry
+
+
+def choices(name: str) -> ChoiceEntry:
+    """The entry of the config key ``name``'s values (after the built-ins registered them)."""
+    load_builtins()
+    return CHOICES[name]
 
 
 def import_modules(package: str) -> None:
