@@ -91,6 +91,14 @@ def _allowed() -> dict[str, Callable[[], tuple[str, ...]]]:
             "tracking.wandb_mode": lambda: tuple(WANDB_MODES)}
 
 
+def _dataset_lines() -> str:
+    """Each registered dataset's line (``registry.DatasetEntry.doc``), for the ``dataset``
+    key: its module says what it is, the reference lists it."""
+    registry.load_builtin_datasets()
+    return "".join(f" ``{e.name}``: {e.doc.rstrip('.')}." for e in registry.DATASETS.values()
+                   if e.doc)
+
+
 def keys() -> list[KeyDoc]:
     """Every key of the current schema (built-ins and registered plugins), in schema order."""
     allowed = _allowed()
@@ -106,8 +114,9 @@ def keys() -> list[KeyDoc]:
             if dataclasses.is_dataclass(default):
                 walk(type(default), f"{key}.")
                 continue
+            doc = docs.get(f.name, "") + (_dataset_lines() if key == "dataset" else "")
             out.append(KeyDoc(key, _type_name(hints.get(f.name, f.type)), default,
-                              allowed[key]() if key in allowed else (), docs.get(f.name, ""),
+                              allowed[key]() if key in allowed else (), doc,
                               prefix.rstrip(".")))
 
     walk(schema(), "")

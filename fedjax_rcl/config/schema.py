@@ -121,15 +121,15 @@ class CoreConfig:
       init_threefry_partitionable: draw the initial weights with threefry's partitionable
         bit layout (JAX's default), as the project's earliest runs did, so that a new run can
         share their start.
-      dataset: ``digits`` (offline default), ``cifar10``, ``cifar100``, ``tiny_imagenet``, or
-        ``imagefolder:PATH`` (a directory or .zip holding ``train/<class>/*`` and
+      dataset: a registered dataset's name (the built-in ones follow; a plugin may register
+        more), or ``imagefolder:PATH`` (a directory or .zip holding ``train/<class>/*`` and
         ``test/<class>/*``).
       data_dir: the TFDS data directory (cifar10, cifar100) or where Tiny-ImageNet's archive
         is; null: TFDS's default.
       model: the network every client trains.
       width: a ResNet's first-stage channels (stages w, 2w, 4w, 8w); null: 64.
-      plugins: modules to import first; they register algorithms, models or server
-        optimizers, so that this config may name them.
+      plugins: modules to import first; they register algorithms, models, server optimizers
+        or datasets, so that this config may name them.
       algorithm: the client algorithm (the local objective and any per-client state).
       num_clients: clients in the federation.
       participation: the fraction of clients sampled each round (at least one).
