@@ -42,14 +42,9 @@ def _pairing(run_dir: Path) -> dict:
     from fedjax_rcl.experiment import build
     from fedjax_rcl.loop import resume_config
     from fedjax_rcl.mfcl import phase2
+    from fedjax_rcl.mfcl.encoder import ClientEncoder, _padded
     from fedjax_rcl.mfcl.probe import lbfgs_probe
-    from fedjax_rcl.mfcl.run import (
-        _CONTROL_STREAM,
-        _PROBE_STREAM,
-        ClientEncoder,
-        _padded,
-        mfcl_dataset,
-    )
+    from fedjax_rcl.mfcl.run import _CONTROL_STREAM, _PROBE_STREAM, mfcl_dataset
     from fedjax_rcl.models.mfcl import ServerModel
 
     cfg = resume_config(run_dir, force=True)
