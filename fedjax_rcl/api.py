@@ -25,6 +25,8 @@ import os
 import warnings
 from collections.abc import Callable, Mapping
 from pathlib import Path
+from types import MappingProxyType
+from typing import NamedTuple
 
 from fedjax_rcl import grid, registry, training
 from fedjax_rcl.config import CoreConfig, is_grid, load_config, to_dict
@@ -32,12 +34,22 @@ from fedjax_rcl.data import ImageDataset
 from fedjax_rcl.loop import Callback, load_run_config, resume_config
 from fedjax_rcl.mfcl import run as mfcl_run
 
-__all__ = ["PROGRAMS", "Run", "evaluate", "load", "resume", "train"]
+__all__ = ["PROGRAMS", "Program", "Run", "evaluate", "load", "resolved_config", "resume", "train"]
 
-# command -> (start(cfg, **kw), continue_run(run_dir, cfg, **kw)).
-PROGRAMS: dict[str, tuple[Callable[..., dict], Callable[..., dict]]] = {
-    "train": (training.train, training.continue_run),
-    "mfcl": (mfcl_run.run_mfcl, mfcl_run.resume_mfcl),
+
+class Program(NamedTuple):
+    """A command that trains: how it starts a run and continues one, and the settings it
+    starts from before the YAML file and the overrides."""
+
+    start: Callable[..., dict]
+    continue_run: Callable[..., dict]
+    defaults: Mapping[str, object] = MappingProxyType({})
+
+
+PROGRAMS: dict[str, Program] = {
+    "train": Program(training.train, training.continue_run),
+    "mfcl": Program(mfcl_run.run_mfcl, mfcl_run.resume_mfcl,
+                    MappingProxyType(mfcl_run.MFCL_DEFAULTS)),
 }
 
 
@@ -94,23 +106,27 @@ def _read(run_dir: Path, cfg: CoreConfig, result: dict) -> Run:
                members)
 
 
-def _config(config, overrides) -> CoreConfig:
-    """A config from ``None`` (the defaults), a mapping (a YAML file's content), a YAML path
-    or a built config, with ``key=value`` overrides on top."""
+def resolved_config(config=None, *overrides: str, program: str | None = None) -> CoreConfig:
+    """The resolved config ``train`` would run: from ``None`` (the defaults), a mapping (a YAML
+    file's content), a YAML path or a built config, with ``key=value`` overrides on top. With
+    ``program`` (``"train"`` or ``"mfcl"``), that command's own defaults lie under the file and
+    the overrides (``fedjax-rcl mfcl`` starts from MFCL's setting)."""
+    defaults = dict(PROGRAMS[program].defaults) if program else {}
     if isinstance(config, CoreConfig):
         if not overrides:
             return config
         config = to_dict(config)
     if config is None or isinstance(config, Mapping):
-        return load_config(None, list(overrides), defaults=dict(config or {}))
+        return load_config(None, list(overrides), defaults={**defaults, **(config or {})})
     if isinstance(config, str | os.PathLike):
-        return load_config(os.fspath(config), list(overrides))
+        return load_config(os.fspath(config), list(overrides), defaults=defaults or None)
     raise TypeError(f"config: a dict, a YAML path, a config or None, not {type(config)}")
 
 
-def train(config=None, *overrides: str, callbacks: tuple[Callback, ...] = (),
-          progress: bool = False, dataset: ImageDataset | None = None,
-          log: Callable[[str], None] | None = None, command: str | None = None) -> Run:
+def train(config=None, *overrides: str, program: str | None = None,
+          callbacks: tuple[Callback, ...] = (), progress: bool = False,
+          dataset: ImageDataset | None = None, log: Callable[[str], None] | None = None,
+          warn: Callable[[str], None] | None = None, command: str | None = None) -> Run:
     """Starts a run and trains it to ``rounds``.
 
     Args:
@@ -118,12 +134,17 @@ def train(config=None, *overrides: str, callbacks: tuple[Callback, ...] = (),
         sections as in a YAML file), a YAML file's path, or a config.
       *overrides: ``key=value`` strings, as on the command line (``"rounds=50"``,
         ``"fedrcl.beta=2"``).
+      program: the command to run it with (``"train"`` or ``"mfcl"``; its defaults apply as in
+        ``config``); default: the one the config's algorithm names. A program that does not
+        run the algorithm says so (``ConfigError``).
       callbacks: each is called with every metrics line as it is written; a true return value
         stops the run cleanly after that evaluation (it is checkpointed there and
         ``resume`` continues it).
       progress: print the command line's progress lines (a bar on a terminal); False: quiet.
       dataset: an already loaded dataset to use instead of ``config.dataset``'s.
       log: where progress lines go (default: ``print`` when ``progress``).
+      warn: where the warnings about settings that probably do not do what was meant go
+        (default: Python's ``warnings``).
 
     Returns:
       The ``Run``: its directory, config and every metrics line.
@@ -132,15 +153,15 @@ def train(config=None, *overrides: str, callbacks: tuple[Callback, ...] = (),
       ConfigError, DataError: bad settings or data, before anything is compiled.
       TrainingError: a non-finite local loss (the last complete checkpoint stays).
     """
-    cfg = _config(config, overrides)
+    cfg = resolved_config(config, *overrides, program=program)
     log = log or (print if progress else _silent)
-    start = PROGRAMS[registry.algorithm(cfg.algorithm).command][0]
+    start = PROGRAMS[program or registry.algorithm(cfg.algorithm).command].start
+    if is_grid(cfg) and program in (None, "train"):
+        start = grid.train_grid
     kwargs = dict(dataset=dataset, log=log, command=command, callbacks=tuple(callbacks),
                   progress=progress)
-    if is_grid(cfg):
-        start = grid.train_grid
     if start in (training.train, grid.train_grid):
-        kwargs["warn"] = _warn
+        kwargs["warn"] = warn or _warn
     result = start(cfg, **kwargs)
     return _read(Path(result["run_dir"]), cfg, result)
 
@@ -157,7 +178,7 @@ def resume(run_dir: str | os.PathLike, *overrides: str, force: bool = False,
     cfg = resume_config(run_dir, list(overrides), force=force)
     log = log or (print if progress else _silent)
     go_on = (grid.continue_grid if is_grid(cfg)
-             else PROGRAMS[registry.algorithm(cfg.algorithm).command][1])
+             else PROGRAMS[registry.algorithm(cfg.algorithm).command].continue_run)
     result = go_on(run_dir, cfg, force=force, dataset=dataset, progress=progress, log=log,
                    command=command, callbacks=tuple(callbacks))
     return _read(run_dir, cfg, result)

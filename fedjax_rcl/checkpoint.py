@@ -100,38 +100,25 @@ class Checkpointer:
         self._manager.reload()
         return sorted(self._manager.all_steps())
 
-    def restore_latest(self, like, *, older_layouts=(), at_most: int | None = None
-                       ) -> Restored | None:
+    def restore_latest(self, like, *, at_most: int | None = None) -> Restored | None:
         """The newest checkpoint (of step ``at_most`` or earlier, if given) that restores and
         matches its fingerprint, else None.
 
         Args:
           like: a state with the right structure, shapes and dtypes (e.g. the freshly built
             initial state); its values are not used.
-          older_layouts: ``(like_then, upgrade)`` pairs for checkpoints written with an older
-            state layout: a checkpoint that does not restore as ``like`` is tried as each
-            ``like_then`` and, if it restores, ``upgrade(state)`` gives the current layout.
         """
-        layouts = [(like, lambda s: s), *older_layouts]
+        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, like)
         for step in reversed([s for s in self.steps() if at_most is None or s <= at_most]):
             try:
-                for i, (target, convert) in enumerate(layouts):
-                    abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, target)
-                    try:
-                        out = self._manager.restore(
-                            step,
-                            args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract),
-                                                    meta=ocp.args.JsonRestore()),
-                        )
-                        upgrade = convert
-                        break
-                    except ValueError:  # a tree-structure mismatch: try an older layout
-                        if i == len(layouts) - 1:
-                            raise
+                out = self._manager.restore(
+                    step,
+                    args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract),
+                                            meta=ocp.args.JsonRestore()),
+                )
                 state, meta = out["state"], dict(out["meta"])
                 if not _same_fingerprint(fingerprint(state), meta.get("fingerprint")):
                     raise ValueError("restored values do not match the saved fingerprint")
-                state = upgrade(state)
             except Exception as e:  # any failure to read a checkpoint means it is damaged
                 _log.warning("checkpoint %d in %s is damaged (%s: %s); trying the previous one",
                              step, self.directory, type(e).__name__, str(e).splitlines()[0]

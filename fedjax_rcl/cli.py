@@ -161,7 +161,7 @@ def _command(argv: list[str] | None) -> int:
         else:
             args.args = [*args.args, *extra]
     # Imports after parsing so that `--help` and usage errors are instant.
-    from fedjax_rcl.config import is_grid, load_config, to_yaml
+    from fedjax_rcl.config import load_config, to_yaml
     from fedjax_rcl.data import DataError
     from fedjax_rcl.loop import TrainingError
     from fedjax_rcl.validation import ConfigError
@@ -192,28 +192,18 @@ def _command(argv: list[str] | None) -> int:
             print(json.dumps(evaluate(args.run_dir)))
             return 0
         path, overrides = _split_config_args(args.args)
-        if args.command == "mfcl":
-            from fedjax_rcl.mfcl.run import MFCL_DEFAULTS, run_mfcl
+        if args.command in ("train", "mfcl"):
+            from fedjax_rcl import api
+            from fedjax_rcl.training import warn_stderr
 
-            cfg = load_config(path, overrides, defaults=MFCL_DEFAULTS)
+            cfg = api.resolved_config(path, *overrides, program=args.command)
             if args.print_config:
                 print(to_yaml(cfg), end="")
                 return 0
-            run_mfcl(cfg, command=command_line)
-            return 0
-        cfg = load_config(path, overrides)
-        if args.command == "train":
-            if args.print_config:
-                print(to_yaml(cfg), end="")
-                return 0
-            if is_grid(cfg):
-                from fedjax_rcl.grid import train_grid as train
-            else:
-                from fedjax_rcl.training import train
-
-            train(cfg, progress=not args.no_progress, command=command_line)
+            api.train(cfg, program=args.command, progress=not args.no_progress, log=print,
+                      warn=warn_stderr, command=command_line)
         elif args.command == "partition":
-            return _partition(cfg, args.plot)
+            return _partition(load_config(path, overrides), args.plot)
     except (ConfigError, DataError) as e:
         return _fail(str(e), EXIT_USAGE)
     except TrainingError as e:

@@ -115,6 +115,17 @@ class Experiment:
         return self.table.compile(self.round_rows, self.state, self.data,
                                   capacity or self.cfg.eval_every)
 
+    def analysis(self, num_images: int) -> Callable:
+        """``analyze(state) -> dict``: the representation analysis of this run on
+        ``num_images`` test images (``engine.analysis.make_analysis``)."""
+        from fedjax_rcl.engine.analysis import make_analysis
+
+        return make_analysis(
+            self.model, self.dataset, self.data, self.local_update, self.server_start,
+            self.table.row, num_clients=self.cfg.num_clients,
+            clients_per_round=clients_per_round(self.cfg.num_clients, self.cfg.participation),
+            rounds=self.cfg.rounds, num_images=num_images)
+
 
 def make_partition(cfg: CoreConfig, labels: np.ndarray) -> list[np.ndarray]:
     """The configured partition, with its errors reported against config fields."""

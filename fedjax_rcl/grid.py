@@ -60,7 +60,6 @@ from fedjax_rcl.config import (
     config_digest,
     degenerate_settings,
     grid_members,
-    legacy_config_digest,
     with_setting,
 )
 from fedjax_rcl.data import ImageDataset, load_dataset
@@ -91,7 +90,6 @@ from fedjax_rcl.training import (
     check_finite,
     checkpoint_meta,
     cut_back,
-    older_layouts,
     plot_run,
     prior_accuracies,
     prior_seconds,
@@ -563,8 +561,8 @@ def _restore_common(exps: list[Experiment], ckpts: list[Checkpointer], force: bo
     """Every member's checkpoint of the newest round all of them have."""
     latest = None
     for _ in range(2):  # the newest of each, then all at the oldest of those
-        restored = [c.restore_latest(e.table.checkpoint(e.state), older_layouts=older_layouts(e),
-                                     at_most=latest) for e, c in zip(exps, ckpts, strict=True)]
+        restored = [c.restore_latest(e.table.checkpoint(e.state), at_most=latest)
+                    for e, c in zip(exps, ckpts, strict=True)]
         if any(r is None for r in restored):
             bad = [e.cfg.run_dir for e, r in zip(exps, restored, strict=True) if r is None]
             raise ConfigError([f"{', '.join(bad)}: no complete checkpoint"
@@ -578,7 +576,7 @@ def _restore_common(exps: list[Experiment], ckpts: list[Checkpointer], force: bo
                            f"{sorted(steps)})"])
     for e, r in zip(exps, restored, strict=True):
         digest = r.meta.get("config_digest")
-        if digest not in (config_digest(e.cfg), legacy_config_digest(e.cfg)) and not force:
+        if digest != config_digest(e.cfg) and not force:
             raise ConfigError([f"resume: the checkpoint in {e.cfg.run_dir} was written with a "
                                "different config than the grid's; pass --force to continue "
                                "anyway"])

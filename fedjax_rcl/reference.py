@@ -17,7 +17,7 @@ import typing
 from collections.abc import Callable
 
 from fedjax_rcl import registry
-from fedjax_rcl.config import schema
+from fedjax_rcl.config import WANDB_MODES, schema
 
 __all__ = ["KeyDoc", "attribute_docs", "keys", "markdown", "text"]
 
@@ -77,20 +77,26 @@ def _allowed() -> dict[str, Callable[[], tuple[str, ...]]]:
     from fedjax_rcl.data.partitioning import METHODS
     from fedjax_rcl.engine.tables import CLIENT_TABLES
     from fedjax_rcl.losses.contrastive import MININGS
-    from fedjax_rcl.models.base import PRECISIONS
-    from fedjax_rcl.nn.conv import CONV_IMPLS
-    from fedjax_rcl.nn.norm import NORMS
     from fedjax_rcl.server import AGGREGATIONS
-    from fedjax_rcl.tracking import WANDB_MODES
 
     return {"algorithm": lambda: tuple(registry.ALGORITHMS),
             "model": lambda: tuple(registry.MODELS),
             "server.optimizer": lambda: tuple(registry.SERVER_OPTIMIZERS),
             "partition": lambda: tuple(METHODS), "aggregation": lambda: tuple(AGGREGATIONS),
-            "conv_impl": lambda: tuple(CONV_IMPLS), "norm": lambda: tuple(NORMS),
+            "conv_impl": lambda: registry.choices("conv_impl").values,
+            "norm": lambda: registry.choices("norm").values,
             "client_states": lambda: tuple(CLIENT_TABLES),
-            "precision": lambda: tuple(PRECISIONS), "fedrcl.mining": lambda: MININGS,
+            "precision": lambda: registry.choices("precision").values,
+            "fedrcl.mining": lambda: MININGS,
             "tracking.wandb_mode": lambda: tuple(WANDB_MODES)}
+
+
+def _dataset_lines() -> str:
+    """Each registered dataset's line (``registry.DatasetEntry.doc``), for the ``dataset``
+    key: its module says what it is, the reference lists it."""
+    registry.load_builtin_datasets()
+    return "".join(f" ``{e.name}``: {e.doc.rstrip('.')}." for e in registry.DATASETS.values()
+                   if e.doc)
 
 
 def keys() -> list[KeyDoc]:
@@ -108,8 +114,9 @@ def keys() -> list[KeyDoc]:
             if dataclasses.is_dataclass(default):
                 walk(type(default), f"{key}.")
                 continue
+            doc = docs.get(f.name, "") + (_dataset_lines() if key == "dataset" else "")
             out.append(KeyDoc(key, _type_name(hints.get(f.name, f.type)), default,
-                              allowed[key]() if key in allowed else (), docs.get(f.name, ""),
+                              allowed[key]() if key in allowed else (), doc,
                               prefix.rstrip(".")))
 
     walk(schema(), "")

@@ -1,16 +1,18 @@
 """What the config can name: algorithms, models, server optimizers and datasets, each registered
-by its own module, built-in or the user's.
+by its own module, built-in or the user's, and the values of the core keys that models and layers
+offer (``precision``, ``conv_impl``, ``norm``: ``register_choices``).
 
 An entry names its builder and, optionally, a config section: a dataclass of hyperparameters
 with defaults that becomes a key of the run config (``fedprox.mu``, ``server.fedadam.tau``),
-type-checked by OmegaConf and value-checked by the section's own ``check``. ``config.py`` builds
-its schema from these entries and knows no particular algorithm, model or optimizer.
+type-checked by OmegaConf and value-checked by the section's own ``check``. ``fedjax_rcl.config``
+builds its schema from these entries and knows no particular algorithm, model or optimizer.
 
 Built-in entries register when their packages are imported (``load_builtins``: every module of
-``fedjax_rcl.algorithms``, ``fedjax_rcl.models`` and ``fedjax_rcl.server``, then the
-``fedjax_rcl.plugins`` entry-point group of installed packages). A user's module registers the
-same way and is named in the run config, ``plugins: [my_algorithms]``, so that ``train``,
-``resume`` and ``eval`` import it before reading the rest of the config::
+``fedjax_rcl.datasets``, ``fedjax_rcl.algorithms``, ``fedjax_rcl.models`` and
+``fedjax_rcl.server``, then the ``fedjax_rcl.plugins`` entry-point group of installed packages):
+a new built-in is one module there. A user's module registers the same way and is named in the
+run config, ``plugins: [my_algorithms]``, so that ``train``, ``resume`` and ``eval`` import it
+before reading the rest of the config::
 
     # my_algorithms.py
     import dataclasses
@@ -129,30 +131,66 @@ class ServerOptimizerEntry:
 
 @dataclasses.dataclass(frozen=True)
 class DatasetEntry:
-    """A dataset the config can name (``dataset=``).
+    """A dataset the config can name (``dataset=``). The built-in ones register through
+    ``register_dataset`` too, one module each under ``fedjax_rcl.datasets``.
 
     Attributes:
       name: the value.
-      loader: called with keyword arguments (``data_dir``, the config's, when it takes it),
-        returns a mapping with ``train_images`` and ``test_images`` (uint8 ``[N, H, W, C]``),
+      loader: called with the keyword arguments it takes of ``data_dir`` (the config's) and
+        ``cache_dir`` (where decoded arrays may be cached); returns an ``ImageDataset``, or a
+        mapping with ``train_images`` and ``test_images`` (uint8 ``[N, H, W, C]``),
         ``train_labels`` and ``test_labels`` (integers in ``0 .. len(class_names) - 1``),
         ``class_names`` and optionally ``mean``/``std`` (per channel, in [0, 1] pixel units;
-        default: the training images' statistics) and ``hflip`` (whether horizontal flips keep
-        the labels; default true). See ``fedjax_rcl.data.sources.from_arrays``.
+        default: ``mean``/``std`` below, else the training images' statistics) and ``hflip``
+        (whether horizontal flips keep the labels; default true). See
+        ``fedjax_rcl.data.sources.from_arrays``.
       origin: as ``AlgorithmEntry.origin``.
+      doc: one line saying what the data are and where they come from (the configuration
+        reference lists it under ``dataset``).
+      mean, std: fixed per-channel normalisation constants, whatever the source (an image
+        folder that ``recognise`` says holds this dataset gets them too); None: the data's own
+        statistics.
+      recognise: ``(class_names, (H, W, C)) -> bool``: whether an image folder with these
+        classes and images holds this dataset; None: never.
+      check: ``check(data_dir=...)``: a cheap check that the data can be loaded, without
+        decoding them, raising ``DataError`` naming what is wrong; None: nothing to check.
     """
 
     name: str
     loader: Callable[..., Any]
     origin: str | None = None
+    doc: str = ""
+    mean: tuple[float, ...] | None = None
+    std: tuple[float, ...] | None = None
+    recognise: Callable[[Any, tuple[int, ...]], bool] | None = None
+    check: Callable[..., None] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class ChoiceEntry:
+    """The values a core config key may take that models and layers offer (``precision``,
+    ``conv_impl``, ``norm``), registered by the module that implements them, so that the config
+    names them without importing that module.
+
+    Attributes:
+      name: the config key.
+      values: its allowed values.
+      check: ``value -> problem line or None``, for a value that is allowed but cannot run here
+        (``conv_impl=onednn`` without the oneDNN extension); None: every value runs.
+    """
+
+    name: str
+    values: tuple[str, ...]
+    check: Callable[[str], str | None] | None = None
 
 
 ALGORITHMS: dict[str, AlgorithmEntry] = {}
 MODELS: dict[str, ModelEntry] = {}
 SERVER_OPTIMIZERS: dict[str, ServerOptimizerEntry] = {}
 DATASETS: dict[str, DatasetEntry] = {}
-# Dataset names the data sources own (``imagefolder:PATH`` is a prefix).
-BUILTIN_DATASETS = ("digits", "cifar10", "cifar100", "tiny_imagenet")
+CHOICES: dict[str, ChoiceEntry] = {}
+# The prefix of a dataset spec that names an image folder (``imagefolder:PATH``).
+IMAGEFOLDER_PREFIX = "imagefolder:"
 # Config keys an algorithm section may not take (the run config's own top-level keys); set by
 # ``fedjax_rcl.config``.
 RESERVED_KEYS: set[str] = set()
@@ -221,17 +259,39 @@ def register_server_optimizer(name: str, build: Callable, *, config: type | None
     return entry
 
 
-def register_dataset(name: str, loader: Callable[..., Any], *,
+def register_dataset(name: str, loader: Callable[..., Any], *, doc: str = "",
+                     mean=None, std=None,
+                     recognise: Callable[[Any, tuple[int, ...]], bool] | None = None,
+                     check: Callable[..., None] | None = None,
                      replace: bool = False) -> DatasetEntry:
     """Makes ``dataset=name`` available (see ``DatasetEntry``); it then partitions, trains,
-    resumes and evaluates like a built-in dataset."""
-    if name in BUILTIN_DATASETS or str(name).startswith("imagefolder"):
-        raise ValueError(f"dataset {name!r}: a built-in dataset name")
+    resumes and evaluates like every other dataset."""
+    if str(name).startswith(IMAGEFOLDER_PREFIX.rstrip(":")):
+        raise ValueError(f"dataset {name!r}: {IMAGEFOLDER_PREFIX}PATH names an image folder")
     if not callable(loader):
         raise TypeError(f"dataset {name!r}: loader must be callable, got {loader!r}")
-    entry = DatasetEntry(name, loader, _importing_plugin)
+    if (mean is None) != (std is None):
+        raise ValueError(f"dataset {name!r}: give both mean and std, or neither")
+    entry = DatasetEntry(name, loader, _importing_plugin, doc,
+                         None if mean is None else tuple(float(m) for m in mean),
+                         None if std is None else tuple(float(x) for x in std),
+                         recognise, check)
     _add(DATASETS, entry, "dataset", replace)
     return entry
+
+
+def register_choices(name: str, values, *, check: Callable[[str], str | None] | None = None,
+                     replace: bool = False) -> ChoiceEntry:
+    """Makes ``values`` the allowed values of the config key ``name`` (see ``ChoiceEntry``)."""
+    entry = ChoiceEntry(name, tuple(values), check)
+    _add(CHOICES, entry, "config key", replace)
+    return entry
+
+
+def choices(name: str) -> ChoiceEntry:
+    """The entry of the config key ``name``'s values (after the built-ins registered them)."""
+    load_builtins()
+    return CHOICES[name]
 
 
 def import_modules(package: str) -> None:
@@ -244,15 +304,26 @@ def import_modules(package: str) -> None:
 
 
 _builtins_loaded = False
+_datasets_loaded = False
+
+
+def load_builtin_datasets() -> None:
+    """Imports every built-in dataset module (``fedjax_rcl.datasets``; light: each imports its
+    source only to load), once."""
+    global _datasets_loaded
+    if not _datasets_loaded:
+        _datasets_loaded = True
+        import_modules("fedjax_rcl.datasets")
 
 
 def load_builtins() -> None:
-    """Imports every built-in algorithm, model and server optimizer module, and the installed
-    packages' ``fedjax_rcl.plugins`` entry points (once)."""
+    """Imports every built-in algorithm, model, server optimizer and dataset module, and the
+    installed packages' ``fedjax_rcl.plugins`` entry points (once)."""
     global _builtins_loaded
     if _builtins_loaded:
         return
     _builtins_loaded = True
+    load_builtin_datasets()
     for package in ("fedjax_rcl.algorithms", "fedjax_rcl.models", "fedjax_rcl.server"):
         import_modules(package)
     for ep in importlib.metadata.entry_points(group=PLUGIN_GROUP):

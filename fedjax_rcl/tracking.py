@@ -21,52 +21,14 @@ purges the events from the resumed round on (``purge_step``), and W&B continues 
 
 from __future__ import annotations
 
-import dataclasses
-import importlib.util
 import json
 import numbers
 import secrets
 from pathlib import Path
 from typing import Any
 
+from fedjax_rcl.config.schema import TrackingConfig
 from fedjax_rcl.rundir import atomic_write_text
-from fedjax_rcl.validation import one_of
-
-WANDB_MODES = ("online", "offline", "disabled")
-
-
-@dataclasses.dataclass
-class TrackingConfig:
-    """Where the metrics are mirrored besides ``metrics.jsonl`` (no result changes).
-
-    Attributes:
-      tensorboard: write TensorBoard event files to ``<run_dir>/tensorboard`` (needs
-        tensorboardX).
-      wandb: mirror the run to Weights & Biases (needs wandb and a login, or offline mode).
-      wandb_project: the W&B project.
-      wandb_entity: the W&B entity; null: the logged-in user's default.
-      wandb_mode: ``offline`` keeps the run local (``wandb sync`` later).
-    """
-
-    tensorboard: bool = False
-    wandb: bool = False
-    wandb_project: str = "fedjax-rcl"
-    wandb_entity: str | None = None
-    wandb_mode: str = "online"
-
-    def check(self, ctx) -> list[str]:
-        del ctx
-        p = []
-        if self.tensorboard and importlib.util.find_spec("tensorboardX") is None:
-            p.append("tensorboard=True: needs tensorboardX, which is not installed "
-                     "(pip install 'fedjax-rcl[tensorboard]'), or set tracking.tensorboard=false")
-        if self.wandb and importlib.util.find_spec("wandb") is None:
-            p.append("wandb=True: needs wandb, which is not installed (pip install wandb), or set "
-                     "tracking.wandb=false")
-        one_of(p, "wandb_mode", self.wandb_mode, WANDB_MODES)
-        if not self.wandb_project:
-            p.append(f"wandb_project={self.wandb_project!r}: must be a non-empty name")
-        return p
 
 
 def scalars(record: dict) -> dict[str, float]:

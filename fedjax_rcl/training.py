@@ -16,11 +16,9 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
 
 import jax
 import numpy as np
-from flax import struct
 
 from fedjax_rcl import interrupts, registry
 from fedjax_rcl.checkpoint import Checkpointer, Restored
@@ -29,7 +27,6 @@ from fedjax_rcl.config import (
     config_digest,
     degenerate_settings,
     is_grid,
-    legacy_config_digest,
 )
 from fedjax_rcl.data import ImageDataset
 from fedjax_rcl.engine.round import ServerState, clients_per_round
@@ -54,9 +51,9 @@ from fedjax_rcl.metrics import RECENT_WINDOWS, ema, recent_mean
 from fedjax_rcl.rundir import atomic_write_text, read_metrics_upto
 from fedjax_rcl.validation import ConfigError
 
-__all__ = ["Program", "ServerStateBeforeMessages", "TrainingError", "check_finite",
+__all__ = ["Program", "TrainingError", "check_finite",
            "checkpoint_meta", "checkpoint_tree", "compile_program", "continue_run", "cut_back",
-           "evaluate_run", "load_run", "older_layouts", "plot_run", "prior_seconds",
+           "evaluate_run", "load_run", "plot_run", "prior_seconds",
            "progress_line", "resume", "rounds_stage", "state_from_checkpoint", "train"]
 
 # Per-client metrics (``client_metrics``, ``client_eval``): one line per round.
@@ -118,36 +115,6 @@ def state_from_checkpoint(exp: Experiment, tree) -> ServerState:
     return exp.table.restore(tree)
 
 
-@struct.dataclass
-class ServerStateBeforeMessages:
-    """``ServerState`` as checkpoints written before the server message existed hold it."""
-
-    params: Any
-    model_state: Any
-    opt_state: Any
-    client_states: Any
-    round: Any
-    key: Any
-
-
-def older_layouts(exp: Experiment) -> tuple:
-    """How a checkpoint of an older state layout is read into the current one."""
-    s = exp.state
-    if jax.tree.leaves(s.message):  # algorithms with a message are newer than that layout
-        return ()
-    old = ServerStateBeforeMessages(s.params, s.model_state, s.opt_state, s.client_states,
-                                    s.round, s.key)
-
-    def upgrade(tree):
-        server = exp.table.server_part(tree)
-        new = ServerState(params=server.params, model_state=server.model_state,
-                          opt_state=server.opt_state, client_states=server.client_states,
-                          round=server.round, key=server.key, message=s.message)
-        return exp.table.with_server(tree, new)
-
-    return ((exp.table.checkpoint(old), upgrade),)
-
-
 def _describe(exp: Experiment, run_dir: Path) -> str:
     cfg = exp.cfg
     return (f"run_dir: {run_dir}  |  {cfg.dataset}: {len(exp.dataset.train_labels)} train / "
@@ -178,9 +145,7 @@ def rounds_stage(exp: Experiment, program: Program, ckpt: Checkpointer, acc_ema:
     recent = list(history)
     analyze = None
     if cfg.analysis_every:
-        from fedjax_rcl.engine.analysis import make_analysis
-
-        analyze = make_analysis(exp, cfg.analysis_images)
+        analyze = exp.analysis(cfg.analysis_images)
     ema_now = [acc_ema]
 
     def advance(state, done, n):
@@ -425,8 +390,7 @@ def _resume_locked(run_dir: Path, cfg: CoreConfig, *, force: bool,
     log(f"loading data: {cfg.dataset} ...")
     exp = build(cfg, dataset)
     ckpt = Checkpointer(run_dir / "checkpoints", keep=cfg.keep_checkpoints)
-    restored = ckpt.restore_latest(exp.table.checkpoint(exp.state),
-                                   older_layouts=older_layouts(exp))
+    restored = ckpt.restore_latest(exp.table.checkpoint(exp.state))
     if restored is None:
         if read_metrics_upto(run_dir / "metrics.jsonl", 1 << 62):
             ckpt.close()
@@ -437,7 +401,7 @@ def _resume_locked(run_dir: Path, cfg: CoreConfig, *, force: bool,
         restored = Restored(exp.table.checkpoint(exp.state), checkpoint_meta(cfg, 0, None), 0)
         save_checkpoint(ckpt, run_dir, 0, restored.state, restored.meta, "round 0")
     digest = restored.meta.get("config_digest")
-    if digest not in (config_digest(cfg), legacy_config_digest(cfg)) and not force:
+    if digest != config_digest(cfg) and not force:
         ckpt.close()
         raise ConfigError([f"resume: the checkpoint in {run_dir} was written with a different "
                            "config than config.yaml now holds; pass --force to continue anyway"])
@@ -465,8 +429,7 @@ def load_run(run_dir: str | Path, *, dataset: ImageDataset | None = None):
     exp = build(cfg, dataset)
     ckpt = Checkpointer(run_dir / "checkpoints", keep=cfg.keep_checkpoints)
     try:
-        restored = ckpt.restore_latest(exp.table.checkpoint(exp.state),
-                                       older_layouts=older_layouts(exp))
+        restored = ckpt.restore_latest(exp.table.checkpoint(exp.state))
     finally:
         ckpt.close()
     if restored is None:

@@ -10,7 +10,7 @@ import pytest
 
 from fedjax_rcl.cli import main
 from fedjax_rcl.config import Config, ConfigError, config_digest, load_config
-from fedjax_rcl.engine.analysis import analysis_subset, make_analysis
+from fedjax_rcl.engine.analysis import analysis_subset
 from fedjax_rcl.experiment import build
 
 
@@ -41,7 +41,7 @@ def test_local_model_is_the_one_the_next_round_trains(toy):
     """One client per round and plain averaging: the next global model IS that client's local
     model, so its analysis equals the local analysis taken before the round."""
     exp = build(_cfg(), toy)
-    analyze = make_analysis(exp, 60)
+    analyze = exp.analysis(60)
     before = analyze(exp.state)
     after_state, metrics = jax.jit(exp.run_round)(exp.state, exp.data)
     after = analyze(after_state)
@@ -54,7 +54,7 @@ def test_local_model_is_the_one_the_next_round_trains(toy):
 
 def test_participation_counts_the_sampled_clients(toy):
     exp = build(_cfg(participation=0.5), toy)
-    analyze = make_analysis(exp, 60)
+    analyze = exp.analysis(60)
     state, step, seen = exp.state, jax.jit(exp.run_round), np.zeros(6, int)
     for _ in range(3):
         state, metrics = step(state, exp.data)

@@ -17,7 +17,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "fedjax_rcl"
 # Lowest first. A prefix names a module or a whole subpackage.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("foundation", ("types", "validation", "registry", "interrupts", "rundir", "provenance")),
-    ("data and numerics", ("data", "nn", "losses", "metrics", "plots")),
+    ("data and numerics", ("data", "datasets", "nn", "losses", "metrics", "plots")),
     ("models", ("models",)),
     ("server", ("server",)),
     ("engine", ("engine", "checkpoint")),

@@ -268,30 +268,3 @@ def test_sigint_and_sigterm_at_any_moment_exit_cleanly_and_resume_exactly(tmp_pa
         _resume_as_the_cli(run, env)
         assert _metrics(run) == expected, f"trial {trial} ({moment})"
     assert "compiling" in seen, seen
-
-
-@pytest.mark.slow
-def test_checkpoints_from_before_the_registry_still_resume_identically(reference, tmp_path):
-    """A checkpoint in the older layout (no server message) with the older config digest, as
-    this repository's earlier runs hold them, resumes to the uninterrupted run's result."""
-    from fedjax_rcl.checkpoint import Checkpointer
-    from fedjax_rcl.config import legacy_config_digest
-    from fedjax_rcl.training import ServerStateBeforeMessages
-
-    # Round 4 of the reference run, rewritten as the older code saved it.
-    partial = tmp_path / "partial"
-    train(load_config(None, [*TINY, "rounds=4", "checkpoint_every=2", f"run_dir={partial}"]),
-          progress=False, log=lambda s: None)
-    _, at4 = load_run(partial)
-    s = at4.state
-    old = ServerStateBeforeMessages(s.params, s.model_state, s.opt_state, s.client_states,
-                                     s.round, s.key)
-    cfg = load_config(str(partial / "config.yaml"))
-    shutil.rmtree(partial / "checkpoints")
-    ckpt = Checkpointer(partial / "checkpoints", keep=3)
-    ckpt.save(4, old, {"round": 4, "test_accuracy_ema": at4.meta["test_accuracy_ema"],
-                       "config_digest": legacy_config_digest(cfg)})
-    ckpt.close()
-    resume(partial, ["rounds=6"], progress=False, log=lambda s: None)
-    assert _metrics(partial) == _metrics(reference)
-    _assert_same_state(_final_state(partial), _final_state(reference))

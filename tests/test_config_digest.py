@@ -1,9 +1,11 @@
-"""The config digest that checkpoints carry: it covers exactly the result-deciding settings, and
-runs checkpointed before the registry still resume."""
+"""The config digest that checkpoints carry: it covers exactly the result-deciding settings, and a
+setting added later leaves the digest of every run checkpointed before it unchanged at its default
+(``DIGEST_NEUTRAL_DEFAULTS``): without that, every checkpoint written so far would be refused on
+resume."""
 
 import pytest
 
-from fedjax_rcl.config import changed_keys, config_digest, legacy_config_digest, load_config
+from fedjax_rcl.config import DIGEST_NEUTRAL_DEFAULTS, changed_keys, config_digest, load_config
 
 
 def test_digest_covers_the_sections_in_use_only():
@@ -19,15 +21,6 @@ def test_digest_covers_the_sections_in_use_only():
                                             "server.fedadam.tau=0.1"])) != config_digest(adam)
     assert config_digest(load_config(None, ["rounds=7"])) == config_digest(base)  # resume-safe
     assert changed_keys(base, load_config(None, ["algorithm=fedrcl", "moon.mu=5"])) == []
-
-
-@pytest.mark.parametrize("overrides,digest", [
-    # Computed by the config code of commit 97dec07 (before the registry) for these configs.
-    ([], "1553869f6a007109"),
-    (["algorithm=moon", "moon.mu=5", "rounds=7", "fedrcl.beta=2"], "20b9894768bba308"),
-])
-def test_legacy_digest_is_what_checkpoints_before_the_registry_carry(overrides, digest):
-    assert legacy_config_digest(load_config(None, overrides)) == digest
 
 
 @pytest.mark.parametrize("overrides,digest", [
@@ -59,3 +52,13 @@ def test_init_layout_setting_keeps_older_runs_digest_at_its_default(overrides, d
     assert config_digest(load_config(None, overrides)) == digest
     other = load_config(None, [*overrides, "init_threefry_partitionable=true"])
     assert config_digest(other) != digest
+
+
+def test_every_setting_left_out_of_the_digest_at_its_default_is_a_config_key_at_that_default():
+    """``DIGEST_NEUTRAL_DEFAULTS`` names real keys with their real defaults (a renamed key or a
+    changed default would silently change the digest of the runs it protects)."""
+    from fedjax_rcl.config import flat_keys, to_dict
+    from fedjax_rcl.mfcl.run import MFCL_DEFAULTS
+
+    flat = flat_keys(to_dict(load_config(None, [], defaults=MFCL_DEFAULTS)))
+    assert {k: flat[k] for k in DIGEST_NEUTRAL_DEFAULTS} == DIGEST_NEUTRAL_DEFAULTS

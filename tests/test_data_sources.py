@@ -28,6 +28,7 @@ from fedjax_rcl.data.sources import (
     default_cache_dir,
     load_dataset,
 )
+from fedjax_rcl.datasets import cifar10, cifar100
 
 
 @pytest.fixture(autouse=True)
@@ -574,8 +575,8 @@ def _folder_of(tmp_path, classes, size, per_class=2, seed=0):
 
 
 @pytest.mark.parametrize("name,classes,size", [
-    ("cifar10", sorted(normalization.CIFAR10_CLASSES), 32),
-    ("cifar100", sorted(normalization.CIFAR100_CLASSES), 32),
+    ("cifar10", sorted(cifar10.CLASSES), 32),
+    ("cifar100", sorted(cifar100.CLASSES), 32),
     ("tiny_imagenet", [f"n{i:08d}" for i in range(200)], 64),
 ])
 def test_named_dataset_in_a_folder_gets_the_spec_constants(tmp_path, name, classes, size):
@@ -589,7 +590,7 @@ def test_named_dataset_in_a_folder_gets_the_spec_constants(tmp_path, name, class
 
 @pytest.mark.parametrize("classes,size", [
     (["cat", "dog", "ship"], 32),  # some CIFAR-10 names, not all of them
-    (sorted(normalization.CIFAR10_CLASSES), 16),  # CIFAR-10's names at another size
+    (sorted(cifar10.CLASSES), 16),  # CIFAR-10's names at another size
     ([f"n{i:08d}" for i in range(200)], 32),  # wnids at 32x32
 ])
 def test_unnamed_dataset_in_a_folder_is_normalised_by_its_own_statistics(tmp_path, classes,

@@ -15,14 +15,12 @@ from fedjax_rcl.cli import main
 from fedjax_rcl.config import load_config
 from fedjax_rcl.experiment import build
 from fedjax_rcl.mfcl import phase2
+from fedjax_rcl.mfcl.encoder import client_encoder, client_statistics, represent_all
 from fedjax_rcl.mfcl.probe import lbfgs_probe
 from fedjax_rcl.mfcl.run import (
     MFCL_DEFAULTS,
     _probe,
-    client_encoder,
-    client_statistics,
     mfcl_dataset,
-    represent_all,
     resume_mfcl,
     run_mfcl,
 )

@@ -1,4 +1,4 @@
-"""Analytic MFCL resource counts (fedjax_rcl.metrics.resources) against hand counts."""
+"""Analytic MFCL resource counts (fedjax_rcl.mfcl.resources) against hand counts."""
 
 import math
 
@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fedjax_rcl.metrics.resources import (
+from fedjax_rcl.mfcl.resources import (
     client_module_flops,
     client_module_layers,
     conv_flops,
@@ -229,3 +229,34 @@ def test_single_view_phase1_with_group_norm():
     one = mfcl_resources(**{**TINY, "norm": "group", "phase1_views": 1})["mfcl"]
     two = mfcl_resources(**{**TINY, "norm": "group"})["mfcl"]
     assert 2 * one["flops"]["phase1"]["max"] == two["flops"]["phase1"]["max"]
+
+
+def _traced_flops(module, shape) -> float:
+    """``engine.layout``'s count, from the module's traced forward program on one image."""
+    from fedjax_rcl.engine import layout
+
+    x = jnp.zeros((1, *shape), jnp.float32)
+    variables = jax.eval_shape(lambda: module.init(jax.random.PRNGKey(0), x, train=False))
+    jaxpr = jax.make_jaxpr(lambda v, x: module.apply(v, x, train=False, mutable=True))(
+        variables, x)
+    return layout.jaxpr_flops(jaxpr)
+
+
+def test_the_layer_table_against_the_traced_count_of_the_models():
+    """The one FLOP counter the engine has (``engine.layout``, from the traced program) and the
+    layer table agree on every convolution and matrix product of the client module and of
+    ResNet-18; the table stays for what the traced count cannot give or counts otherwise:
+    the memory figures need each layer's output, its convention counts bias adds, and the
+    decoder's transposed convolution, which the model computes as a convolution over the
+    zero-upsampled representation, is counted as a transposed convolution (without the
+    zeros' multiply-adds), as fvcore and thop count it."""
+    from fedjax_rcl.models import get_model
+    from fedjax_rcl.models.mfcl import ClientModule, Decoder
+
+    assert _traced_flops(ClientModule(), (32, 32, 3)) == client_module_flops()
+    zeros = conv_flops(32, 32, 64, 64, 3) - conv_transpose_flops(16, 16, 64, 64, 3)
+    bias_adds = 32 * 32 * 3
+    assert _traced_flops(Decoder(), (16, 16, 64)) == decoder_flops() + zeros - bias_adds
+    resnet = get_model("resnet18", num_classes=10, norm="group")
+    backbone = sum(x.flops for x in resnet18_layers(head=()))
+    assert _traced_flops(resnet, (32, 32, 3)) == backbone + dense_flops(512, 10, bias=False)

@@ -84,8 +84,9 @@ def _evidence(run_dir: Path) -> dict:
     from fedjax_rcl.checkpoint import Checkpointer
     from fedjax_rcl.experiment import build
     from fedjax_rcl.loop import resume_config
+    from fedjax_rcl.mfcl.encoder import ClientEncoder, client_statistics
     from fedjax_rcl.mfcl.probe import lbfgs_probe
-    from fedjax_rcl.mfcl.run import ClientEncoder, client_statistics, mfcl_dataset
+    from fedjax_rcl.mfcl.run import mfcl_dataset
 
     cfg = resume_config(run_dir, force=True)
     exp = build(cfg, mfcl_dataset(cfg))

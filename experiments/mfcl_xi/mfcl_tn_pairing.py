@@ -57,8 +57,9 @@ def _pairing(run_dir: Path) -> dict:
     from fedjax_rcl.experiment import build
     from fedjax_rcl.loop import resume_config
     from fedjax_rcl.mfcl import phase2
+    from fedjax_rcl.mfcl.encoder import ClientEncoder
     from fedjax_rcl.mfcl.probe import lbfgs_probe
-    from fedjax_rcl.mfcl.run import ClientEncoder, mfcl_dataset
+    from fedjax_rcl.mfcl.run import mfcl_dataset
     from fedjax_rcl.models.mfcl import ServerModel
 
     cfg = resume_config(run_dir, force=True)

@@ -135,14 +135,12 @@ def load_state(run_dir: str, at_most: int | None, dataset=None):
     from fedjax_rcl.checkpoint import Checkpointer
     from fedjax_rcl.experiment import build
     from fedjax_rcl.loop import load_run_config
-    from fedjax_rcl.training import older_layouts
 
     _, cfg = load_run_config(Path(run_dir))
     exp = build(cfg, dataset)
     ckpt = Checkpointer(Path(run_dir) / "checkpoints", keep=max(cfg.keep_checkpoints, 1000))
     try:
-        restored = ckpt.restore_latest(exp.table.checkpoint(exp.state),
-                                       older_layouts=older_layouts(exp), at_most=at_most)
+        restored = ckpt.restore_latest(exp.table.checkpoint(exp.state), at_most=at_most)
     finally:
         ckpt.close()
     if restored is None:

@@ -35,7 +35,7 @@ from fedjax_rcl.data.files import (
     open_tree,
     resolve_root,
 )
-from fedjax_rcl.data.normalization import NAMED, recognise
+from fedjax_rcl.data.normalization import recognise
 
 _log = logging.getLogger(__name__)
 
@@ -128,8 +128,8 @@ def load_imagefolder(path: str, *, cache_dir: str | os.PathLike | None = None) -
 
     Returns:
         The dataset named ``"imagefolder:<absolute path>"``; images ``uint8 [N, H, W, 3]``,
-        labels index the sorted class names, ``hflip=True``. mean/std are the named constants
-        when the folder holds a named dataset (``normalization.recognise``: CIFAR-10,
+        labels index the sorted class names, ``hflip=True``. mean/std are a registered
+        dataset's constants when the folder holds it (``normalization.recognise``: CIFAR-10,
         CIFAR-100, Tiny-ImageNet), else the train images' per-channel statistics.
 
     Raises:
@@ -163,8 +163,8 @@ def load_imagefolder(path: str, *, cache_dir: str | os.PathLike | None = None) -
     mean, std = tuple(arrays["mean"].tolist()), tuple(arrays["std"].tolist())
     named = recognise(class_names, arrays["train_images"].shape[1:])
     if named is not None:  # a named dataset keeps its constants whatever the source
-        mean, std = NAMED[named].mean, NAMED[named].std
-        _log.info("%s holds %s: normalising with its named constants", root, named)
+        mean, std = named.mean, named.std
+        _log.info("%s holds %s: normalising with its named constants", root, named.name)
     return ImageDataset(
         name=f"imagefolder:{root}",
         train_images=arrays["train_images"], train_labels=arrays["train_labels"],

@@ -2,23 +2,20 @@
 
 A spec is one of
 
-* ``"digits"`` -- scikit-learn's handwritten digits, upsampled to 32x32 (offline default,
-  :mod:`fedjax_rcl.data.embedded`);
+* a registered dataset's name: the built-in ones (``digits``, the offline default; ``cifar10``,
+  ``cifar100``, ``tiny_imagenet``; one module each under :mod:`fedjax_rcl.datasets`) or one a
+  plugin registers, both through ``fedjax_rcl.registry.register_dataset`` (:func:`from_arrays`
+  checks what a loader returns as arrays);
 * ``"imagefolder:PATH"`` -- a directory or ``.zip`` laid out ``train/<class>/*`` and
-  ``test/<class>/*`` (:mod:`fedjax_rcl.data.imagefolder`);
-* ``"cifar10"`` / ``"cifar100"`` -- through tensorflow-datasets without TensorFlow
-  (:mod:`fedjax_rcl.data.tfds_source`);
-* ``"tiny_imagenet"`` -- the official ``tiny-imagenet-200`` archive or folder in ``data_dir``
-  (:mod:`fedjax_rcl.data.tiny_imagenet`);
-* a name registered with ``fedjax_rcl.registry.register_dataset`` -- the user's loader
-  (:func:`from_arrays` checks what it returns).
+  ``test/<class>/*`` (:mod:`fedjax_rcl.data.imagefolder`); one that holds a registered dataset
+  with fixed constants is normalised with them (:mod:`fedjax_rcl.data.normalization`).
 
 Every source returns an :class:`ImageDataset` (uint8 NHWC images, int32 labels, class names,
 normalisation constants). Sources that decode many files cache the decoded arrays on disk
 (:func:`cached_arrays`), so only the first load of a dataset pays for decoding.
 
-The source modules are imported lazily by :func:`load_dataset`, so importing this module does
-not import tensorflow-datasets or scikit-learn.
+The source modules are imported lazily, so importing this module does not import
+tensorflow-datasets or scikit-learn.
 """
 
 from __future__ import annotations
@@ -45,31 +42,24 @@ __all__ = [
     "load_dataset",
 ]
 
-TFDS_NAMES = ("cifar10", "cifar100")
-_IMAGEFOLDER_PREFIX = "imagefolder:"
-_ALLOWED = ("'digits', 'cifar10', 'cifar100', 'tiny_imagenet' or 'imagefolder:PATH' (a directory "
-            "or .zip)")
-
-
-def _parse_spec(spec: str) -> tuple[str, str | None]:
-    """``spec`` -> ``(kind, argument)``; kind is ``digits``, a TFDS name or ``imagefolder``."""
+def _parse_spec(spec: str) -> tuple[registry.DatasetEntry | None, str | None]:
+    """``spec`` -> ``(entry, None)`` for a registered dataset, ``(None, path)`` for an image
+    folder."""
+    registry.load_builtin_datasets()
+    allowed = (f"{', '.join(map(repr, registry.DATASETS))} or '{registry.IMAGEFOLDER_PREFIX}PATH' "
+               "(a directory or .zip), or a dataset a plugin registers")
     if not isinstance(spec, str):
-        raise DataError(f"dataset spec must be a string, got {spec!r}; allowed: {_ALLOWED}")
-    if spec in ("digits", "tiny_imagenet") or spec in TFDS_NAMES:
-        return spec, None
-    if spec.startswith(_IMAGEFOLDER_PREFIX):
-        path = spec[len(_IMAGEFOLDER_PREFIX):]
+        raise DataError(f"dataset spec must be a string, got {spec!r}; allowed: {allowed}")
+    if spec.startswith(registry.IMAGEFOLDER_PREFIX):
+        path = spec[len(registry.IMAGEFOLDER_PREFIX):]
         if not path:
             raise DataError(f"dataset spec {spec!r} names no path; write 'imagefolder:PATH' with"
                             " PATH a directory or .zip holding train/<class>/* and test/<class>/*")
-        return "imagefolder", path
+        return None, path
     if spec in registry.DATASETS:
-        return "registered", spec
-    names = (*registry.BUILTIN_DATASETS, *registry.DATASETS)
-    mine = (f", or a registered one ({', '.join(map(repr, registry.DATASETS))})"
-            if registry.DATASETS else ", or one registered by a plugin")
-    raise DataError(f"unknown dataset {spec!r}; allowed: {_ALLOWED}{mine}"
-                    f"{did_you_mean(spec, names)}")
+        return registry.DATASETS[spec], None
+    raise DataError(f"unknown dataset {spec!r}; allowed: {allowed}"
+                    f"{did_you_mean(spec, list(registry.DATASETS))}")
 
 
 def load_dataset(spec: str, *, data_dir: str | None = None,
@@ -77,11 +67,12 @@ def load_dataset(spec: str, *, data_dir: str | None = None,
     """Loads a dataset into memory.
 
     Args:
-        spec: ``"digits"``, ``"cifar10"``, ``"cifar100"``, ``"tiny_imagenet"`` or
-            ``"imagefolder:PATH"``.
-        data_dir: TFDS data directory for ``cifar10``/``cifar100`` (None: TFDS's default,
-            ``$TFDS_DATA_DIR`` or ``~/tensorflow_datasets``); for ``tiny_imagenet`` where its
-            archive or folder is (None: TFDS's ``downloads/manual``); ignored by other sources.
+        spec: a registered dataset's name (``"digits"``, ``"cifar10"``, ``"cifar100"``,
+            ``"tiny_imagenet"``, a plugin's) or ``"imagefolder:PATH"``.
+        data_dir: Where the dataset's files are, for the loaders that take it (``cifar10``/
+            ``cifar100``: TFDS's data directory, None: ``$TFDS_DATA_DIR`` or
+            ``~/tensorflow_datasets``; ``tiny_imagenet``: its archive or folder, None: TFDS's
+            ``downloads/manual``).
         cache_dir: Where decoded arrays are cached (None: :func:`default_cache_dir`).
 
     Returns:
@@ -91,35 +82,33 @@ def load_dataset(spec: str, *, data_dir: str | None = None,
         DataError: Unknown spec, missing or malformed data, or a TFDS dataset that is neither
             prepared nor downloadable.
     """
-    kind, arg = _parse_spec(spec)
-    if kind == "registered":
-        return _registered(registry.DATASETS[arg], data_dir)
-    if kind == "digits":
-        from fedjax_rcl.data import embedded
-        return embedded.load_digits(cache_dir)
-    if kind == "imagefolder":
+    entry, path = _parse_spec(spec)
+    if entry is None:
         from fedjax_rcl.data import imagefolder
-        return imagefolder.load_imagefolder(arg, cache_dir=cache_dir)
-    if kind == "tiny_imagenet":
-        from fedjax_rcl.data import tiny_imagenet
-        return tiny_imagenet.load_tiny_imagenet(data_dir, cache_dir=cache_dir)
-    from fedjax_rcl.data import tfds_source
-    return tfds_source.load_tfds(kind, data_dir=data_dir, cache_dir=cache_dir)
+        return imagefolder.load_imagefolder(path, cache_dir=cache_dir)
+    return _registered(entry, data_dir, cache_dir)
 
 
-def _registered(entry, data_dir: str | None) -> ImageDataset:
-    """Calls a registered loader (with ``data_dir`` when it takes it) and checks its arrays."""
+def _registered(entry, data_dir: str | None, cache_dir: str | None = None) -> ImageDataset:
+    """Calls a registered loader (with ``data_dir`` and ``cache_dir`` where it takes them) and
+    checks the arrays it returns."""
     params = inspect.signature(entry.loader).parameters
-    takes = "data_dir" in params or any(p.kind == p.VAR_KEYWORD for p in params.values())
+    anything = any(p.kind == p.VAR_KEYWORD for p in params.values())
+    kwargs = {k: v for k, v in (("data_dir", data_dir), ("cache_dir", cache_dir))
+              if k in params or anything}
     try:
-        arrays = entry.loader(data_dir=data_dir) if takes else entry.loader()
+        out = entry.loader(**kwargs)
     except DataError:
         raise
     except Exception as e:  # the user's loader failed: say whose and why, in one line
         first = str(e).splitlines()[0] if str(e) else ""
         raise DataError(f"the loader of dataset {entry.name!r} failed ({type(e).__name__}: "
                         f"{first})") from e
-    return from_arrays(entry.name, arrays)
+    if isinstance(out, ImageDataset):
+        return out
+    if entry.mean is not None and isinstance(out, Mapping):
+        out = {"mean": entry.mean, "std": entry.std, **out}
+    return from_arrays(entry.name, out)
 
 
 def from_arrays(name: str, arrays: Mapping) -> ImageDataset:
@@ -188,13 +177,9 @@ def check_dataset_spec(spec: str, *, data_dir: str | None = None) -> None:
     Raises:
         DataError: Naming what is wrong and how to fix it.
     """
-    kind, arg = _parse_spec(spec)
-    if kind == "imagefolder":
+    entry, path = _parse_spec(spec)
+    if entry is None:
         from fedjax_rcl.data import imagefolder
-        imagefolder.check_imagefolder(arg)
-    elif kind == "tiny_imagenet":
-        from fedjax_rcl.data import tiny_imagenet
-        tiny_imagenet.check_tiny_imagenet(data_dir)
-    elif kind in TFDS_NAMES:
-        from fedjax_rcl.data import tfds_source
-        tfds_source.check_tfds(kind, data_dir=data_dir)
+        imagefolder.check_imagefolder(path)
+    elif entry.check is not None:
+        entry.check(data_dir=data_dir)

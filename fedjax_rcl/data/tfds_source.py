@@ -40,12 +40,10 @@ from tensorflow_datasets.image_classification import cifar
 
 from fedjax_rcl.data.cache import cached_arrays
 from fedjax_rcl.data.dataset import DataError, ImageDataset
-from fedjax_rcl.data.normalization import NAMED
 
-__all__ = ["NORMALIZATION", "check_tfds", "load_tfds"]
+__all__ = ["check_tfds", "load_tfds"]
 
 # Per-channel (mean, std) in [0, 1] units (the FedRCL reference's constants).
-NORMALIZATION = {name: (NAMED[name].mean, NAMED[name].std) for name in ("cifar10", "cifar100")}
 DOWNLOAD_HOST = ("www.cs.toronto.edu", 443)
 CONNECT_TIMEOUT_S = 3.0
 _READ_CHUNK = 4096  # examples decoded per as_data_source() batch read
@@ -212,20 +210,21 @@ def _read_split(builder, split: str) -> tuple[np.ndarray, np.ndarray]:
     return images, labels
 
 
-def load_tfds(name: str, *, data_dir: str | os.PathLike | None = None,
+def load_tfds(name: str, *, mean: tuple[float, ...], std: tuple[float, ...],
+              data_dir: str | os.PathLike | None = None,
               cache_dir: str | os.PathLike | None = None) -> ImageDataset:
     """Loads ``cifar10`` or ``cifar100``, preparing it in ``data_dir`` first if needed.
 
     Args:
         name: ``"cifar10"`` or ``"cifar100"``.
+        mean, std: its normalisation constants (``fedjax_rcl.datasets.cifar10``, ...).
         data_dir: TFDS data directory (None: ``$TFDS_DATA_DIR`` or ``~/tensorflow_datasets``).
         cache_dir: Cache of decoded arrays (None: ``$FEDJAX_RCL_CACHE`` or
             ``~/.cache/fedjax_rcl``).
 
     Returns:
         The dataset: ``uint8 [N, 32, 32, 3]`` images in TFDS's stored order, ``int32`` labels
-        (CIFAR-100: the 100 fine classes), the named normalisation constants
-        (``normalization.NAMED``), ``hflip=True``.
+        (CIFAR-100: the 100 fine classes), ``mean``/``std``, ``hflip=True``.
 
     Raises:
         DataError: See the module docstring; a failed download or prepare is reported as one.
@@ -252,7 +251,6 @@ def load_tfds(name: str, *, data_dir: str | os.PathLike | None = None,
                 "test_images": test_images, "test_labels": test_labels}
 
     arrays = cached_arrays(cache_dir, f"tfds-{name}", key, build)
-    mean, std = NORMALIZATION[name]
     return ImageDataset(
         name=name,
         train_images=arrays["train_images"], train_labels=arrays["train_labels"],

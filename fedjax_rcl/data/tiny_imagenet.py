@@ -15,7 +15,7 @@ TFDS's manual-download folder (``$TFDS_DATA_DIR`` or ``~/tensorflow_datasets``, 
 ``downloads/manual``), where the CIFAR archives go too. Images are decoded with Pillow to RGB
 (about 1 % of Tiny-ImageNet is grayscale), with the image folder's zip safety rules, and cached
 (:func:`fedjax_rcl.data.cache.cached_arrays`); the FedRCL reference's Tiny-ImageNet constants
-normalise them (``normalization.NAMED``).
+normalise them (``fedjax_rcl.datasets.tiny_imagenet``).
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ import numpy as np
 from fedjax_rcl.data.cache import cached_arrays
 from fedjax_rcl.data.dataset import DataError, ImageDataset
 from fedjax_rcl.data.files import Entry, decode_images, dir_entries, open_tree, resolve_root
-from fedjax_rcl.data.normalization import NAMED
 
 __all__ = ["ARCHIVE", "check_tiny_imagenet", "find_root", "load_tiny_imagenet"]
 
@@ -126,13 +125,13 @@ def _with_text_files(entries, root: Path):
     return [*entries, *extra]
 
 
-def load_tiny_imagenet(data_dir: str | None, *,
+def load_tiny_imagenet(data_dir: str | None, *, mean: tuple[float, ...], std: tuple[float, ...],
                        cache_dir: str | os.PathLike | None = None) -> ImageDataset:
     """Loads Tiny-ImageNet's train and (labelled) validation splits; decoded arrays are cached.
 
     Returns:
         The dataset named ``"tiny_imagenet"``: ``uint8 [N, 64, 64, 3]`` images, labels
-        indexing the sorted wnids, the named constants, ``hflip=True``.
+        indexing the sorted wnids, normalised with ``mean``/``std``, ``hflip=True``.
     """
     root = find_root(data_dir)
     if root.is_dir():
@@ -156,11 +155,10 @@ def load_tiny_imagenet(data_dir: str | None, *,
                 "class_names": np.array(wnids)}
 
     arrays = cached_arrays(cache_dir, "tiny_imagenet", key, build)
-    named = NAMED["tiny_imagenet"]
     return ImageDataset(
         name="tiny_imagenet",
         train_images=arrays["train_images"], train_labels=arrays["train_labels"],
         test_images=arrays["test_images"], test_labels=arrays["test_labels"],
-        class_names=tuple(str(c) for c in arrays["class_names"]), mean=named.mean,
-        std=named.std, hflip=True,
+        class_names=tuple(str(c) for c in arrays["class_names"]), mean=tuple(mean),
+        std=tuple(std), hflip=True,
     )

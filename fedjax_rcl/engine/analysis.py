@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fedjax_rcl.data.augment import normalize
-from fedjax_rcl.engine.round import client_keys, clients_per_round, sample_clients
+from fedjax_rcl.engine.round import client_keys, sample_clients
 from fedjax_rcl.metrics.representation import (
     class_covariance_traces,
     effective_rank,
@@ -65,15 +65,27 @@ def analysis_subset(labels, num_images: int) -> np.ndarray:
     return np.sort(np.lexsort((labels, rank))[:num_images])
 
 
-def make_analysis(exp, num_images: int):
-    """Builds ``analyze(state) -> dict`` of metrics for ``exp`` (an ``Experiment``) at
-    ``state`` (before the round ``state.round`` runs)."""
-    cfg, model, data = exp.cfg, exp.model, exp.data
-    labels = np.asarray(exp.dataset.test_labels)
+def make_analysis(model, dataset, data, local_update, server_start, row, *, num_clients: int,
+                  clients_per_round: int, rounds: int, num_images: int):
+    """Builds ``analyze(state) -> dict`` of metrics at ``state`` (before the round
+    ``state.round`` runs).
+
+    Args:
+      model: the ``ModelFns`` that trains; its ``embedding`` output is analysed.
+      dataset: the ``ImageDataset`` whose test set the subset is drawn from.
+      data: the ``ClientData`` on the device.
+      local_update: one client's pure local update (``engine.client.make_local_update``).
+      server_start: ``(params, opt_state) -> params`` that clients start from.
+      row: ``(state, client) -> row``, a client's state row (``ClientTable.row``).
+      num_clients, clients_per_round: the population and the clients a round samples.
+      rounds: the run's last round (the participation histogram's fixed range).
+      num_images: the size of the analysed test subset (``analysis_subset``).
+    """
+    labels = np.asarray(dataset.test_labels)
     subset = analysis_subset(labels, num_images)
-    images, labels = np.asarray(exp.dataset.test_images)[subset], labels[subset]
-    mean, std = exp.dataset.mean, exp.dataset.std
-    m = clients_per_round(cfg.num_clients, cfg.participation)
+    images, labels = np.asarray(dataset.test_images)[subset], labels[subset]
+    mean, std = dataset.mean, dataset.std
+    m = clients_per_round
 
     @jax.jit
     def features(params, model_state, x):
@@ -81,31 +93,31 @@ def make_analysis(exp, num_images: int):
         return out.embedding
 
     @jax.jit
-    def local_model(state, data, row):
-        client = sample_clients(state.key, state.round, cfg.num_clients, m)[0]
+    def local_model(state, data, client_row):
+        client = sample_clients(state.key, state.round, num_clients, m)[0]
         key = client_keys(state.key, state.round, client[None])[0]
-        start = exp.server_start(state.params, state.opt_state)
-        params, model_state, _, _ = exp.local_update(
-            start, state.model_state, row, key, data.client_indices[client],
+        start = server_start(state.params, state.opt_state)
+        params, model_state, _, _ = local_update(
+            start, state.model_state, client_row, key, data.client_indices[client],
             data.client_sizes[client], state.round, data, state.message)
         return params, model_state, client
 
     @jax.jit
-    def histogram(key, rounds):
+    def histogram(key, done):
         # Over a fixed range (this process's last round) with the later rounds masked out, so
         # that every analysis reuses one compiled program.
-        r = jnp.arange(max(cfg.rounds, 1))
-        picks = jax.vmap(lambda i: sample_clients(key, i, cfg.num_clients, m))(r)
-        counted = jnp.broadcast_to((r < rounds)[:, None], picks.shape).astype(jnp.int32)
-        return jnp.zeros((cfg.num_clients,), jnp.int32).at[picks.reshape(-1)].add(
+        r = jnp.arange(max(rounds, 1))
+        picks = jax.vmap(lambda i: sample_clients(key, i, num_clients, m))(r)
+        counted = jnp.broadcast_to((r < done)[:, None], picks.shape).astype(jnp.int32)
+        return jnp.zeros((num_clients,), jnp.int32).at[picks.reshape(-1)].add(
             counted.reshape(-1))
 
     def analyze(state) -> dict:
         x = jnp.asarray(images)
         out = _summary("global", jax.device_get(features(state.params, state.model_state, x)),
                        labels)
-        first = int(sample_clients(state.key, state.round, cfg.num_clients, m)[0])
-        params, model_state, client = local_model(state, data, exp.table.row(state, first))
+        first = int(sample_clients(state.key, state.round, num_clients, m)[0])
+        params, model_state, client = local_model(state, data, row(state, first))
         out.update(_summary("local", jax.device_get(features(params, model_state, x)), labels))
         out["local_client"] = int(client)
         counts = np.asarray(jax.device_get(histogram(state.key, int(state.round))))

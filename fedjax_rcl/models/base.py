@@ -11,6 +11,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from fedjax_rcl import registry
 from fedjax_rcl.nn.conv import torch_dense
 
 ModelState = Any  # non-trained variables (BatchNorm statistics); ``{}`` for most models
@@ -134,6 +135,7 @@ def model_fns(module: nn.Module, *, partitionable_init: bool = False) -> ModelFn
 
 # ``precision=`` of the config: the dtype local training computes in.
 PRECISIONS = {"fp32": jnp.float32, "bf16": jnp.bfloat16, "fp16": jnp.float16}
+registry.register_choices("precision", PRECISIONS)
 
 
 def _cast(tree, dtype):

@@ -34,9 +34,27 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from fedjax_rcl import registry
 from fedjax_rcl.nn import onednn
 
 CONV_IMPLS = ("auto", "cpu", "onednn", "patches", "rows", "native")
+
+
+def _runs_here(conv_impl: str) -> str | None:
+    """Why ``conv_impl`` cannot run here, or None: ``onednn`` needs the CPU backend and the
+    oneDNN extension (built here, once)."""
+    if conv_impl != "onednn":
+        return None
+    if jax.default_backend() != "cpu":
+        return (f"conv_impl='onednn': runs on the CPU only; the default backend is "
+                f"{jax.default_backend()} (use auto or native)")
+    if not onednn.available():
+        return (f"conv_impl='onednn': unavailable here: {onednn.unavailable_reason()} "
+                "(use auto, which falls back to the matmul convolutions)")
+    return None
+
+
+registry.register_choices("conv_impl", CONV_IMPLS, check=_runs_here)
 
 
 def _check(lhs, rhs, window_strides, padding, lhs_dilation, rhs_dilation, dimension_numbers,

@@ -13,9 +13,11 @@ from __future__ import annotations
 import flax.linen as nn
 import jax
 
+from fedjax_rcl import registry
 from fedjax_rcl.nn.twin_norm import TwinNorm
 
 NORMS = ("group", "batch", "twin")
+registry.register_choices("norm", NORMS)
 
 
 class Norm(nn.Module):

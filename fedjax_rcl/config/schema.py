@@ -1,0 +1,303 @@
+"""The run config's schema: the core keys as dataclasses, and ``Config``, those plus one section
+per registered algorithm and server optimizer (``schema``), and the run's record of it
+(``to_yaml``).
+
+The defaults are the quick offline main job; the paper's settings live in
+``experiments/*.yaml``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+from dataclasses import dataclass, field
+
+from omegaconf import OmegaConf
+
+from fedjax_rcl import registry
+from fedjax_rcl.validation import one_of
+
+
+@dataclass
+class ServerConfig:
+    """The server optimizer on the pseudo-gradient; each registered optimizer adds its own
+    section here (``server.fedadam.tau``).
+
+    Attributes:
+      optimizer: what the server does with the clients' mean model: ``fedavg`` takes it,
+        ``fedavgm`` adds momentum, ``fedadam`` Adam's scaling, ``fedacg`` a look-ahead.
+      lr: the server learning rate; null: the optimizer's default (1; FedAdam 0.01).
+    """
+
+    optimizer: str = "fedavg"
+    lr: float | None = None
+
+
+@dataclass
+class DistributedConfig:
+    """Several processes (hosts) as one JAX cluster; every process runs the same command with
+    its own ``process_id``.
+
+    Attributes:
+      coordinator_address: ``host:port`` of process 0 (needed when ``num_processes > 1``).
+      num_processes: processes in the cluster.
+      process_id: this process's index, 0 to ``num_processes - 1``.
+    """
+
+    coordinator_address: str | None = None
+    num_processes: int = 1
+    process_id: int = 0
+
+
+@dataclass
+class SweepConfig:
+    """One float setting's values, one run each, in one compiled program (``fedjax_rcl.grid``).
+
+    Attributes:
+      key: the setting swept, a float key such as ``fedrcl.beta``, ``alpha`` or ``lr``
+        (``fedrcl.beta=[0.5,1,2]`` on the command line sets ``key`` and ``values``); null: no
+        sweep.
+      values: its values, one run each (with ``seeds``: one run per value and seed).
+    """
+
+    key: str | None = None
+    values: list[float] = field(default_factory=list)
+
+
+WANDB_MODES = ("online", "offline", "disabled")
+
+
+@dataclass
+class TrackingConfig:
+    """Where the metrics are mirrored besides ``metrics.jsonl`` (no result changes).
+
+    Attributes:
+      tensorboard: write TensorBoard event files to ``<run_dir>/tensorboard`` (needs
+        tensorboardX).
+      wandb: mirror the run to Weights & Biases (needs wandb and a login, or offline mode).
+      wandb_project: the W&B project.
+      wandb_entity: the W&B entity; null: the logged-in user's default.
+      wandb_mode: ``offline`` keeps the run local (``wandb sync`` later).
+    """
+
+    tensorboard: bool = False
+    wandb: bool = False
+    wandb_project: str = "fedjax-rcl"
+    wandb_entity: str | None = None
+    wandb_mode: str = "online"
+
+    def check(self, ctx) -> list[str]:
+        del ctx
+        p = []
+        if self.tensorboard and importlib.util.find_spec("tensorboardX") is None:
+            p.append("tensorboard=True: needs tensorboardX, which is not installed "
+                     "(pip install 'fedjax-rcl[tensorboard]'), or set tracking.tensorboard=false")
+        if self.wandb and importlib.util.find_spec("wandb") is None:
+            p.append("wandb=True: needs wandb, which is not installed (pip install wandb), or set "
+                     "tracking.wandb=false")
+        one_of(p, "wandb_mode", self.wandb_mode, WANDB_MODES)
+        if not self.wandb_project:
+            p.append(f"wandb_project={self.wandb_project!r}: must be a non-empty name")
+        return p
+
+
+@dataclass
+class CoreConfig:
+    """One federated run's core keys. ``Config`` adds a section per registered algorithm
+    (``fedrcl.beta``) and server optimizer (``server.fedadam.tau``); ``validate`` enforces
+    the ranges.
+
+    Attributes:
+      seed: the root of every random choice of the run: the split, the initial weights, the
+        client sampling and each client's shuffles and augmentations.
+      seeds: several runs in one compiled program, one per seed (``seeds=[0,1,2]``): each an
+        ordinary run directory ``run_dir/seed-<s>`` with ``seed: s``, equal to that seed run
+        alone; ``seed`` is then unused. Empty: one run.
+      runs_in_parallel: with ``seeds`` or a ``sweep``, runs trained side by side (``vmap``)
+        within the program; 1: one after another; 0: all or 1, by the layout cost model.
+      sweep: one float setting's values, one run each in the same program (``sweep.key``,
+        ``sweep.values``; ``fedrcl.beta=[0.5,1,2]`` sets both); with ``seeds``, one run per
+        value and seed. Each is an ordinary run directory ``run_dir/<key>-<value>[-seed-<s>]``.
+      init_threefry_partitionable: draw the initial weights with threefry's partitionable
+        bit layout (JAX's default), as the project's earliest runs did, so that a new run can
+        share their start.
+      dataset: a registered dataset's name (the built-in ones follow; a plugin may register
+        more), or ``imagefolder:PATH`` (a directory or .zip holding ``train/<class>/*`` and
+        ``test/<class>/*``).
+      data_dir: the TFDS data directory (cifar10, cifar100) or where Tiny-ImageNet's archive
+        is; null: TFDS's default.
+      model: the network every client trains.
+      width: a ResNet's first-stage channels (stages w, 2w, 4w, 8w); null: 64.
+      plugins: modules to import first; they register algorithms, models, server optimizers
+        or datasets, so that this config may name them.
+      algorithm: the client algorithm (the local objective and any per-client state).
+      num_clients: clients in the federation.
+      participation: the fraction of clients sampled each round (at least one).
+      partition: how the training set is split among clients.
+      alpha: the Dirichlet concentration (smaller: more heterogeneous clients).
+      balanced: Dirichlet split with equal client sizes (the FedRCL reference's), or MOON's
+        per-class split (false).
+      shards_per_client: ``partition=shards``: label-sorted shards per client.
+      rounds: rounds of the run.
+      local_epochs: passes over its data a sampled client makes per round.
+      batch_size: samples per local step.
+      lr: the client learning rate at round 0, epoch 0.
+      lr_decay: the client learning rate is ``lr * lr_decay ** (round + epoch)``, as the
+        FedRCL reference decays it.
+      momentum: the client SGD momentum.
+      weight_decay: coupled weight decay of the client SGD (added to the clipped gradient).
+      clip_norm: global gradient-norm clipping of each local step; 0 disables it.
+      aggregation: client weights of the server mean: by data size, or uniform.
+      augment: random rotation, crop and flip during local training.
+      eval_every: rounds between evaluations (the rounds in between run as one compiled call).
+      checkpoint_every: save at the first evaluation at least this many rounds after the last
+        save, and at the end; 0: only at round 0 and at the end.
+      keep_checkpoints: newest checkpoints kept.
+      eval_batch_size: test images per evaluation batch.
+      ema_decay: the decay per round of the smoothed test accuracy the papers report (an
+        evaluation every k rounds applies ``ema_decay ** k``, exact only for k = 1).
+      analysis_every: every this many rounds, the representation analysis (effective rank,
+        VCI, class covariances, mean pairwise cosine and spread share of the global and one
+        local model's features; the participation histogram); 0: off.
+      analysis_images: test images the analysis uses (a fixed class-balanced subset).
+      client_metrics: write each round's sampled clients, their data sizes and local losses to
+        ``clients.jsonl`` (one line per round), for the spread over clients.
+      client_eval: also each sampled client's accuracy on its own training samples before and
+        after its local training (one evaluation pass over its data each); implies
+        ``client_metrics``.
+      precision: the type local training computes in: ``fp32``; ``bf16`` or ``fp16`` with
+        float32 master weights, optimizer and server state (``fp16`` scales the loss as
+        PyTorch's GradScaler does, as the FedRCL authors train). Evaluation stays float32.
+      conv_impl: how convolutions run: ``auto`` picks ``cpu`` on CPUs (oneDNN, else the
+        matmul forms) and ``native`` elsewhere.
+      devices: devices the sampled clients are sharded over; 0: every device.
+      clients_in_parallel: clients trained side by side within a round; 0: chosen per model
+        and backend (all at once, or one at a time where that is faster).
+      client_states: where the per-client state table (MOON's previous local models) lives:
+        on the device, or in host memory.
+      norm: the normalisation of the models that offer a choice (``twin`` needs a two-view
+        algorithm).
+      run_dir: the run directory; null: ``runs/<dataset>-<algorithm>-<time>-<4 hex>``.
+    """
+
+    seed: int = 0
+    seeds: list[int] = field(default_factory=list)
+    runs_in_parallel: int = 1
+    sweep: SweepConfig = field(default_factory=SweepConfig)
+    init_threefry_partitionable: bool = False
+    dataset: str = "digits"
+    data_dir: str | None = None
+    model: str = "cnn"
+    width: int | None = None
+    plugins: list[str] = field(default_factory=list)
+    algorithm: str = "fedrcl"
+    num_clients: int = 20
+    participation: float = 0.25
+    partition: str = "dirichlet"
+    alpha: float = 0.3
+    balanced: bool = True
+    shards_per_client: int = 2
+    rounds: int = 100
+    local_epochs: int = 5
+    batch_size: int = 50
+    lr: float = 0.1
+    lr_decay: float = 0.998
+    momentum: float = 0.0
+    weight_decay: float = 1e-3
+    clip_norm: float = 10.0
+    aggregation: str = "size"
+    augment: bool = True
+    eval_every: int = 1
+    checkpoint_every: int = 10
+    keep_checkpoints: int = 3
+    eval_batch_size: int = 500
+    ema_decay: float = 0.9
+    analysis_every: int = 0
+    analysis_images: int = 1000
+    client_metrics: bool = False
+    client_eval: bool = False
+    precision: str = "fp32"
+    conv_impl: str = "auto"
+    devices: int = 1
+    clients_in_parallel: int = 0
+    client_states: str = "device"
+    norm: str = "group"
+    run_dir: str | None = None
+    server: ServerConfig = field(default_factory=ServerConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    # Mirrors of metrics.jsonl (TensorBoard, Weights & Biases); they change no result.
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+
+
+def _reserve_core_keys() -> None:
+    registry.RESERVED_KEYS.update(f.name for f in dataclasses.fields(CoreConfig))
+
+
+def schema() -> type:
+    """The run config's dataclass: ``CoreConfig`` plus one section per registered algorithm
+    (top-level key) and server optimizer (``server.<name>``), rebuilt when the registry
+    changes. ``Config`` is this class."""
+    _reserve_core_keys()
+    registry.load_builtins()
+    if _schema_cache[0] == registry.version:
+        return _schema_cache[1]
+    sections = {}
+    for entry in registry.ALGORITHMS.values():
+        if entry.config is not None:
+            sections.setdefault(entry.section, entry.config)
+    server_sections = [(e.name, e.config, field(default_factory=e.config))
+                       for e in registry.SERVER_OPTIMIZERS.values() if e.config is not None]
+    server = dataclasses.make_dataclass("ServerConfig", server_sections, bases=(ServerConfig,))
+    server.__module__ = "fedjax_rcl.config"
+    server.__doc__ = ServerConfig.__doc__
+    fields = [("server", server, field(default_factory=server))]
+    fields += [(name, cls, field(default_factory=cls)) for name, cls in sections.items()]
+    cls = dataclasses.make_dataclass("Config", fields, bases=(CoreConfig,))
+    cls.__module__ = "fedjax_rcl.config"
+    cls.__doc__ = CoreConfig.__doc__
+    _schema_cache[:] = [registry.version, cls]
+    return cls
+
+
+_schema_cache: list = [None, None]
+
+
+def section_type(key: str):
+    """The dataclass holding the dotted key's last part, or None."""
+    cls = schema()
+    for part in key.split(".")[:-1]:
+        sub = {f.name: f for f in dataclasses.fields(cls)}.get(part)
+        if sub is None or not dataclasses.is_dataclass(sub.default_factory):
+            return None
+        cls = sub.default_factory
+    return cls
+
+
+def field_type(key: str) -> str | None:
+    """The annotation of a dotted config key (``"str | None"``), or None if it is not one."""
+    section = section_type(key)
+    if section is None:
+        return None
+    fields = {f.name: f.type for f in dataclasses.fields(section)}
+    name = key.split(".")[-1]
+    return str(fields[name]) if name in fields else None
+
+
+def to_yaml(cfg: CoreConfig) -> str:
+    """The run's record (``config.yaml``): every key, less the sections of plugins this
+    config does not name (a fresh process reading it back would not know them)."""
+    d = OmegaConf.to_container(OmegaConf.structured(cfg))
+    for e in registry.ALGORITHMS.values():
+        if e.section is not None and not registry.provided_by(e, cfg.plugins) and not any(
+                o.section == e.section and registry.provided_by(o, cfg.plugins)
+                for o in registry.ALGORITHMS.values()):
+            d.pop(e.section, None)
+    for e in registry.SERVER_OPTIMIZERS.values():
+        if not registry.provided_by(e, cfg.plugins):
+            d["server"].pop(e.name, None)
+    return OmegaConf.to_yaml(OmegaConf.create(d))
+
+
+def to_dict(cfg: CoreConfig) -> dict:
+    """The config as nested plain dicts."""
+    return dataclasses.asdict(cfg)
