@@ -316,6 +316,53 @@ def test_probe_controls_are_the_same_probe_on_a_random_server_and_on_pixels():
         f"control_random_server_{k}" for k in trained}
 
 
+def test_probe_projection_reads_the_projection_heads_output():
+    """With mfcl.probe_projection the record also holds the same probe on the projection
+    head's output (MFCL's linear evaluation reads it), computed here directly from the server
+    model in its evaluation form on every image at once, for the trained server and the
+    random control; the embedding's probe is the one the option leaves out."""
+    overrides = [*TINY, "mfcl.probe_l2_grid=[0.01]"]
+    cfg = load_config(None, [*overrides, "mfcl.probe_projection=true"],
+                      defaults=MFCL_DEFAULTS)
+    exp = build(cfg, mfcl_dataset(cfg))
+    encode = client_encoder(exp)(exp.state.params, exp.state.model_state)
+    model = ServerModel(width=4, projection_dim=16, conv_impl=cfg.conv_impl)
+    root = jax.random.PRNGKey(cfg.seed)
+    state = phase2.init_server_training(model, jax.random.fold_in(root, 3), (16, 16, 64),
+                                        optax.identity())
+    out = _probe(exp, encode, model, state, chunk=128)
+    ds = exp.dataset
+    variables = {"params": state.params, "batch_stats": state.batch_stats}
+
+    def projection(images):
+        x = jnp.asarray(images, jnp.float32) / 255.0
+        return np.asarray(model.apply(variables, encode(x, False), train=False)[1])
+
+    z_train, z_test = projection(ds.train_images), projection(ds.test_images)
+    assert z_train.shape == (len(ds.train_images), 16)
+    want = lbfgs_probe(z_train, ds.train_labels, z_test, ds.test_labels,
+                       num_classes=ds.num_classes, l2_grid=[0.01], holdout=0.1,
+                       max_iter=1000, tol=1e-5, key=jax.random.fold_in(root, 15),
+                       prefix="projection_probe_")
+    # The run's features come in padded chunks of 128 (another batch shape): equal up to
+    # float reassociation, so the probe agrees to within one test image.
+    assert out["projection_probe_converged"]
+    assert out["projection_probe_accuracy"] == pytest.approx(
+        want["projection_probe_accuracy"], abs=1.5 / len(ds.test_images))
+    assert out["projection_probe_loss"] == pytest.approx(want["projection_probe_loss"],
+                                                         rel=1e-3)
+    # The random control's projection is another network's: another probe.
+    assert {k[len("control_random_server_projection_"):] for k in out
+            if k.startswith("control_random_server_projection_")} == {
+        k[len("projection_probe_"):] for k in want}
+    assert (out["control_random_server_projection_loss"]
+            != pytest.approx(out["projection_probe_loss"], rel=1e-3))
+    # Without the option: the same embedding probe and no projection keys.
+    plain = load_config(None, overrides, defaults=MFCL_DEFAULTS)
+    base = _probe(build(plain, mfcl_dataset(plain)), encode, model, state, chunk=128)
+    assert set(out) - set(base) == {k for k in out if "projection_" in k}
+    assert base["linear_probe_loss"] == pytest.approx(out["linear_probe_loss"], rel=1e-6)
+
 def test_tn_variance_reaches_the_client_module():
     """mfcl.tn_variance=views builds a Twin Normalization client module with the paper's
     listing's variance: the same parameters give other representations of view pairs whose

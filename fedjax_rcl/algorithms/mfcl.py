@@ -80,6 +80,11 @@ class MfclConfig:
       probe_controls: also probe, in the same run and with the same probe, a randomly
         initialised server network on the same client-module outputs and the raw pixels:
         the baselines the trained features must beat.
+      probe_projection: also probe the projection head's output (evaluation form), the
+        features MFCL's linear evaluation reads (its dense layer sits on top of the
+        projection layers, its Table 11), besides the embedding before the head (SimCLR's
+        choice, the default figure); recorded as ``projection_probe_*`` and, with
+        ``probe_controls``, ``control_random_server_projection_*``.
       probe_epochs: epochs of Adam of the ``adam`` probe.
       probe_lr: the ``adam`` probe's learning rate.
       probe_batch_size: the ``adam`` probe's batch size.
@@ -125,6 +130,7 @@ class MfclConfig:
     probe_max_iter: int = 1000
     probe_tol: float = 1e-5
     probe_controls: bool = True
+    probe_projection: bool = False
     probe_epochs: int = 30
     probe_lr: float = 1e-3
     probe_batch_size: int = 256

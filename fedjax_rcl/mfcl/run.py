@@ -219,14 +219,16 @@ def _phase2(exp: Experiment, run_dir: Path, encode, resuming: bool, sink: Sink, 
         ckpt.close()
 
 
-def _features(features, variables: dict, images: np.ndarray, chunk: int) -> np.ndarray:
-    """``float32 [N, 8w]``: ``features(variables, images)`` in padded chunks of ``chunk``
-    images (one compiled shape)."""
+def _features(features, variables: dict, images: np.ndarray, chunk: int
+              ) -> tuple[np.ndarray, ...]:
+    """Each output of ``features(variables, images)`` (a tuple of ``float32 [N, D]``), in
+    padded chunks of ``chunk`` images (one compiled shape)."""
     parts = []
     for s in range(0, len(images), chunk):
         block, _ = _padded(images[s:s + chunk], chunk)
-        parts.append(np.asarray(features(variables, jnp.asarray(block)))[:len(images) - s])
-    return np.concatenate(parts)
+        parts.append([np.asarray(f)[:len(images) - s]
+                      for f in features(variables, jnp.asarray(block))])
+    return tuple(np.concatenate(p) for p in zip(*parts, strict=True))
 
 
 def _probe(exp: Experiment, encode, model, state, chunk: int = 500) -> dict:
@@ -240,7 +242,10 @@ def _probe(exp: Experiment, encode, model, state, chunk: int = 500) -> dict:
     The features are the server network's embeddings (the projection head dropped, as SimCLR
     evaluates) of the client module's outputs in its evaluation form: a BatchNorm client
     module uses its running statistics whatever ``mfcl.bn_statistics``, since the images
-    classified belong to no client (the test set)."""
+    classified belong to no client (the test set). With ``mfcl.probe_projection`` the same
+    probe also reads the projection head's output (evaluation form), where MFCL puts its
+    linear layer (keys ``projection_probe_*``; for the random server
+    ``control_random_server_projection_*``)."""
     cfg, m, ds = exp.cfg, exp.cfg.mfcl, exp.dataset
     root = jax.random.PRNGKey(cfg.seed)
     key = jax.random.fold_in(root, _PROBE_STREAM)
@@ -248,8 +253,8 @@ def _probe(exp: Experiment, encode, model, state, chunk: int = 500) -> dict:
     @jax.jit
     def features(variables, images):
         x = images.astype(jnp.float32) / 255.0
-        embedding, _ = model.apply(variables, encode(x, False), train=False)
-        return embedding
+        embedding, projection = model.apply(variables, encode(x, False), train=False)
+        return (embedding, projection) if m.probe_projection else (embedding,)
 
     def probe(train_x, test_x, prefix, scale=1.0):
         common = dict(num_classes=ds.num_classes, key=key, scale=scale, prefix=prefix)
@@ -261,19 +266,25 @@ def _probe(exp: Experiment, encode, model, state, chunk: int = 500) -> dict:
                            l2_grid=m.probe_l2_grid, holdout=m.probe_holdout,
                            max_iter=m.probe_max_iter, tol=m.probe_tol, **common)
 
-    def server_probe(variables, prefix):
-        return probe(_features(features, variables, ds.train_images, chunk),
-                     _features(features, variables, ds.test_images, chunk), prefix)
+    def server_probe(variables, prefixes):
+        train = _features(features, variables, ds.train_images, chunk)
+        test = _features(features, variables, ds.test_images, chunk)
+        out = {}
+        # The projection's prefix goes unused when only the embedding was computed.
+        for prefix, tr, te in zip(prefixes, train, test, strict=False):
+            out.update(probe(tr, te, prefix))
+        return out
 
     out = server_probe({"params": state.params, "batch_stats": state.batch_stats},
-                       "linear_probe_")
+                       ("linear_probe_", "projection_probe_"))
     if m.probe_controls:
         rep_shape = jax.eval_shape(lambda x: encode(x, False),
                                    jax.ShapeDtypeStruct((1, *ds.image_shape), jnp.float32))
         random = phase2.init_server_training(model, jax.random.fold_in(root, _CONTROL_STREAM),
                                              rep_shape.shape[1:], optax.identity())
         out.update(server_probe({"params": random.params, "batch_stats": random.batch_stats},
-                                "control_random_server_"))
+                                ("control_random_server_",
+                                 "control_random_server_projection_")))
         n, nt = len(ds.train_images), len(ds.test_images)
         out.update(probe(ds.train_images.reshape(n, -1), ds.test_images.reshape(nt, -1),
                          "control_pixels_", scale=1 / 255))
@@ -292,9 +303,13 @@ def _describe_probe(probe: dict) -> str:
         return line + ")"
 
     line = f"linear probe accuracy {one('linear_probe_')}"
+    if "projection_probe_accuracy" in probe:
+        line += f"; on the projection head's output {one('projection_probe_')}"
     if "control_pixels_accuracy" in probe:
-        line += (f"; controls: random server network {one('control_random_server_')}, raw "
-                 f"pixels {one('control_pixels_')}")
+        line += f"; controls: random server network {one('control_random_server_')}"
+        if "control_random_server_projection_accuracy" in probe:
+            line += f" (its projection {one('control_random_server_projection_')})"
+        line += f", raw pixels {one('control_pixels_')}"
     return line
 
 
