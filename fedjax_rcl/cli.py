@@ -67,6 +67,9 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--no-progress", action="store_true", help=NO_PROGRESS)
     e = sub.add_parser("eval", help="evaluate a run's newest checkpoint; prints JSON")
     e.add_argument("run_dir", help="the run directory")
+    e.add_argument("--strict", action="store_true",
+                   help="fail (exit 2) if the newest checkpoint is damaged, instead of "
+                        "evaluating the newest one that restores")
     rep = sub.add_parser("report", help="tables and figures in the paper's layout from runs")
     rep.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories")
     rep.add_argument("--out", default="report", help="output directory (default: report)")
@@ -189,7 +192,10 @@ def _command(argv: list[str] | None) -> int:
         if args.command == "eval":
             from fedjax_rcl.api import evaluate
 
-            print(json.dumps(evaluate(args.run_dir)))
+            result = evaluate(args.run_dir, strict=args.strict)
+            for run in result.get("runs", [result]):
+                _say_evaluated(run)
+            print(json.dumps(result))
             return 0
         path, overrides = _split_config_args(args.args)
         if args.command == "mfcl":
@@ -221,6 +227,18 @@ def _command(argv: list[str] | None) -> int:
     except KeyboardInterrupt:
         return _fail("interrupted", 130)
     return 0
+
+
+def _say_evaluated(run: dict) -> None:
+    """One line on standard error: which checkpoint ``eval`` evaluated, and why not the
+    newest when it fell back from a damaged one."""
+    if "fell_back_from" in run:
+        print(f"fedjax-rcl: warning: {run['run_dir']}: the newest checkpoint (round "
+              f"{run['fell_back_from']}) is damaged ({run['reason']}); evaluated round "
+              f"{run['round']} instead", file=sys.stderr)
+    else:
+        print(f"fedjax-rcl: evaluated {run['run_dir']} at round {run['round']} (its newest "
+              "checkpoint)", file=sys.stderr)
 
 
 def _config(args: list[str]) -> int:

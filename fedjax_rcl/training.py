@@ -411,8 +411,10 @@ def _resume_locked(run_dir: Path, cfg: CoreConfig, *, force: bool,
                 progress=progress, log=log, callbacks=callbacks)
 
 
-def load_run(run_dir: str | Path, *, dataset: ImageDataset | None = None):
-    """A run's experiment and its newest complete checkpoint.
+def load_run(run_dir: str | Path, *, dataset: ImageDataset | None = None, warn=None):
+    """A run's experiment and its newest complete checkpoint that restores (damaged newer
+    ones are skipped: ``warn(message)`` for each, default a logged warning; they are listed
+    in ``restored.skipped``).
 
     Returns:
       ``(experiment, restored)``; ``restored.state`` is what the checkpoint holds (the server
@@ -425,7 +427,7 @@ def load_run(run_dir: str | Path, *, dataset: ImageDataset | None = None):
     ckpt = Checkpointer(run_dir / "checkpoints", keep=cfg.keep_checkpoints)
     try:
         restored = ckpt.restore_latest(exp.table.checkpoint(exp.state),
-                                       older_layouts=older_layouts(exp))
+                                       older_layouts=older_layouts(exp), warn=warn)
     finally:
         ckpt.close()
     if restored is None:
@@ -433,11 +435,30 @@ def load_run(run_dir: str | Path, *, dataset: ImageDataset | None = None):
     return exp, restored
 
 
-def evaluate_run(run_dir: str | Path, *, dataset: ImageDataset | None = None) -> dict:
-    """Evaluates a run's newest complete checkpoint on the full test set."""
-    exp, restored = load_run(run_dir, dataset=dataset)
+def evaluate_run(run_dir: str | Path, *, dataset: ImageDataset | None = None,
+                 strict: bool = False) -> dict:
+    """Evaluates a run's newest complete checkpoint on the full test set.
+
+    Returns ``{"run_dir", "round" (the checkpoint evaluated), "checkpoint" (its directory),
+    "test_accuracy", "test_loss", "test_accuracy_ema"}``; when the newest checkpoint is
+    damaged and an older one was evaluated instead, also ``"fell_back_from"`` (the newest
+    checkpoint's round) and ``"reason"`` (what was wrong with it).
+
+    Raises:
+      ConfigError: ``strict`` and the newest checkpoint is damaged (nothing is evaluated).
+    """
+    exp, restored = load_run(run_dir, dataset=dataset, warn=lambda message: None)
+    if restored.skipped and strict:
+        newest, reason = restored.skipped[0]
+        raise ConfigError([f"eval --strict: the newest checkpoint of {run_dir} (round {newest}) "
+                           f"is damaged ({reason}); the newest that restores is round "
+                           f"{restored.step}"])
     state = exp.table.restore(restored.state)
     ev = to_host(exp.evaluate(state.params, state.model_state, exp.test))
-    return {"run_dir": str(run_dir), "round": restored.step,
-            "test_accuracy": float(ev["accuracy"]), "test_loss": float(ev["loss"]),
-            "test_accuracy_ema": restored.meta.get("test_accuracy_ema")}
+    out = {"run_dir": str(run_dir), "round": restored.step,
+           "checkpoint": str(Path(run_dir) / "checkpoints" / str(restored.step)),
+           "test_accuracy": float(ev["accuracy"]), "test_loss": float(ev["loss"]),
+           "test_accuracy_ema": restored.meta.get("test_accuracy_ema")}
+    if restored.skipped:
+        out["fell_back_from"], out["reason"] = restored.skipped[0]
+    return out
