@@ -10,6 +10,7 @@ problem naming the field, the value and what is allowed, with exit status 2 and 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -198,16 +199,23 @@ def _command(argv: list[str] | None) -> int:
             print(json.dumps(result))
             return 0
         path, overrides = _split_config_args(args.args)
+        # --print-config reads no data: the dataset's presence is not checked (it prints
+        # offline, for data this machine does not have), only its spec.
+        from fedjax_rcl.data.sources import spec_only
+
+        no_data = spec_only if getattr(args, "print_config", False) else contextlib.nullcontext
         if args.command == "mfcl":
             from fedjax_rcl.mfcl.run import MFCL_DEFAULTS, run_mfcl
 
-            cfg = load_config(path, overrides, defaults=MFCL_DEFAULTS)
+            with no_data():
+                cfg = load_config(path, overrides, defaults=MFCL_DEFAULTS)
             if args.print_config:
                 print(to_yaml(cfg), end="")
                 return 0
             run_mfcl(cfg, command=command_line)
             return 0
-        cfg = load_config(path, overrides)
+        with no_data():
+            cfg = load_config(path, overrides)
         if args.command == "train":
             if args.print_config:
                 print(to_yaml(cfg), end="")
