@@ -100,6 +100,7 @@ def compile_program(exp: Experiment, log: Callable[[str], None] = _silent) -> Pr
     """Compiles the rounds (through the experiment's client-table strategy) and the
     evaluation, once, before the loop."""
     log("compiling the round (once per run; a repeat reads JAX's cache)...")
+    interrupts.test_point("compiling")
     t0 = time.perf_counter()
     advance = exp.compile_rounds()
     evaluate = exp.evaluate.lower(exp.state.params, exp.state.model_state, exp.test).compile()
@@ -183,6 +184,7 @@ def rounds_stage(exp: Experiment, program: Program, ckpt: Checkpointer, acc_ema:
     def advance(state, done, n):
         state, metrics = program.advance(state, n)
         check_finite(metrics, done, n)
+        interrupts.test_point("evaluating", done + n)
         return state, (metrics, to_host(program.evaluate(state.params, state.model_state,
                                                          exp.test)))
 
