@@ -16,7 +16,9 @@ to stop at the end of the block in flight (the compiled rounds between two evalu
 one call; the state they start from was donated to it, so the last round whose state the host
 can hold is the block's last), where the loop saves that round and then stops with the same
 status and line (``requested``, ``stop``). A second signal ends the process at once, as
-anywhere outside the blocks.
+anywhere outside the blocks. (The loop defers only in a single-process run: processes of a
+multi-process run would each stop at the block their own signal reached, leaving the others
+waiting in the next block's collectives.)
 
 For tests, ``FEDJAX_RCL_TEST_SIGNAL`` makes the process signal itself at a named moment, so
 that "killed during a save" is certain rather than hoped for: ``phase=saving,round=3,

@@ -176,8 +176,13 @@ def run_stage(stage: Stage, state, done: int, *, run_dir: Path, sink: Sink,
     on_terminal = progress and is_primary() and sys.stderr.isatty()
     bar = tqdm(total=stage.total, initial=done, unit=stage.label.split()[-1],
                disable=not on_terminal, dynamic_ncols=True)
+    # One process: a signal saves the round the block reaches (interrupts.saving_on_request).
+    # Several: each process would see its signal at its own block and stop there while the
+    # others wait in the next block's collectives, so a signal ends them at once, as before.
+    on_request = (interrupts.saving_on_request() if jax.process_count() == 1
+                  else contextlib.nullcontext())
     try:
-        with interrupts.saving_on_request():
+        with on_request:
             while done < stage.total:
                 if interrupts.requested() is not None:
                     # A SIGINT or SIGTERM: the round reached is saved, then the process stops.
