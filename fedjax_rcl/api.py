@@ -29,12 +29,14 @@ from types import MappingProxyType
 from typing import NamedTuple
 
 from fedjax_rcl import grid, registry, training
+from fedjax_rcl.checkpoint import saved_steps
 from fedjax_rcl.config import CoreConfig, is_grid, load_config, to_dict
 from fedjax_rcl.data import ImageDataset
 from fedjax_rcl.loop import Callback, load_run_config, resume_config
 from fedjax_rcl.mfcl import run as mfcl_run
 
-__all__ = ["PROGRAMS", "Program", "Run", "evaluate", "load", "resolved_config", "resume", "train"]
+__all__ = ["PROGRAMS", "Program", "Run", "evaluate", "load", "resolved_config", "resume",
+           "round_reached", "train"]
 
 
 class Program(NamedTuple):
@@ -106,6 +108,34 @@ def _read(run_dir: Path, cfg: CoreConfig, result: dict) -> Run:
                members)
 
 
+class _Literal(str):
+    def __repr__(self) -> str:
+        return str(self)
+
+
+def _python_command(name: str, args: tuple, kwargs: dict) -> str:
+    """How ``commands.txt`` records a run started from Python: the call and its arguments."""
+    shown = [repr(os.fspath(a)) if isinstance(a, os.PathLike) else repr(a) for a in args]
+    shown += [f"{k}={v!r}" for k, v in kwargs.items()]
+    return f"python: fedjax_rcl.{name}({', '.join(shown)})"
+
+
+def round_reached(run_dir: Path, cfg: CoreConfig) -> int | None:
+    """The round a finished stretch of training reached: a federated run's newest complete
+    checkpoint, a grid's oldest such among its members, an MFCL run's last phase-1 round
+    once its probe is written; None when it is not known (no checkpoint, MFCL unfinished)."""
+    if is_grid(cfg):
+        reached = [round_reached(Path(c.run_dir), c) for c in grid.member_configs(cfg, run_dir)]
+        return None if not reached or None in reached else min(reached)
+    if registry.algorithm(cfg.algorithm).command == "mfcl":
+        if not any(r.get("phase") == "probe" for r in _lines(run_dir)):
+            return None
+        steps = saved_steps(run_dir / "checkpoints" / "phase1")
+    else:
+        steps = saved_steps(run_dir / "checkpoints")
+    return steps[-1] if steps else None
+
+
 def resolved_config(config=None, *overrides: str, program: str | None = None) -> CoreConfig:
     """The resolved config ``train`` would run: from ``None`` (the defaults), a mapping (a YAML
     file's content), a YAML path or a built config, with ``key=value`` overrides on top. With
@@ -155,6 +185,9 @@ def train(config=None, *overrides: str, program: str | None = None,
     """
     cfg = resolved_config(config, *overrides, program=program)
     log = log or (print if progress else _silent)
+    if command is None:
+        shown = config if not isinstance(config, CoreConfig) else _Literal("<a CoreConfig>")
+        command = _python_command("train", (shown, *overrides), {})
     start = PROGRAMS[program or registry.algorithm(cfg.algorithm).command].start
     if is_grid(cfg) and program in (None, "train"):
         start = grid.train_grid
@@ -177,6 +210,14 @@ def resume(run_dir: str | os.PathLike, *overrides: str, force: bool = False,
     run_dir = Path(run_dir)
     cfg = resume_config(run_dir, list(overrides), force=force)
     log = log or (print if progress else _silent)
+    reached = round_reached(run_dir, cfg)
+    if reached is not None and cfg.rounds <= reached:
+        # Nothing to train: no compile, and nothing on disk changes (config.yaml keeps the
+        # rounds the run was trained to).
+        log(f"nothing to do: {run_dir} is at round {reached}")
+        return load(run_dir)
+    command = command or _python_command("resume", (str(run_dir), *overrides),
+                                         {"force": force} if force else {})
     go_on = (grid.continue_grid if is_grid(cfg)
              else PROGRAMS[registry.algorithm(cfg.algorithm).command].continue_run)
     result = go_on(run_dir, cfg, force=force, dataset=dataset, progress=progress, log=log,
@@ -184,15 +225,18 @@ def resume(run_dir: str | os.PathLike, *overrides: str, force: bool = False,
     return _read(run_dir, cfg, result)
 
 
-def evaluate(run_dir: str | os.PathLike, *, dataset: ImageDataset | None = None) -> dict:
+def evaluate(run_dir: str | os.PathLike, *, dataset: ImageDataset | None = None,
+             strict: bool = False) -> dict:
     """Evaluates a federated run's newest complete checkpoint on the full test set:
-    ``{"run_dir", "round", "test_accuracy", "test_loss", "test_accuracy_ema"}``; for several
-    runs in one program (``seeds=[...]``), ``{"run_dir", "runs": [each run's], and the mean
-    and sd over them of "test_accuracy" and "test_loss"}``."""
+    ``{"run_dir", "round", "checkpoint", "test_accuracy", "test_loss", "test_accuracy_ema"}``,
+    with ``"fell_back_from"`` and ``"reason"`` when the newest checkpoint is damaged and an
+    older one was evaluated (``strict``: raise ``ConfigError`` instead); for several runs in
+    one program (``seeds=[...]``), ``{"run_dir", "runs": [each run's], and the mean and sd
+    over them of "test_accuracy" and "test_loss"}``."""
     _, cfg = load_run_config(Path(run_dir))
     if not is_grid(cfg):
-        return training.evaluate_run(run_dir, dataset=dataset)
-    return grid.evaluate_grid(run_dir, cfg, dataset=dataset)
+        return training.evaluate_run(run_dir, dataset=dataset, strict=strict)
+    return grid.evaluate_grid(run_dir, cfg, dataset=dataset, strict=strict)
 
 
 def load(run_dir: str | os.PathLike) -> Run:

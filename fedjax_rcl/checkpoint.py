@@ -27,11 +27,59 @@ _log = logging.getLogger(__name__)
 
 @dataclasses.dataclass
 class Restored:
-    """A restored checkpoint: the state, its JSON record and its step (rounds done)."""
+    """A restored checkpoint: the state, its JSON record and its step (rounds done), and the
+    newer checkpoints that were skipped as damaged (``(step, reason)``, newest first)."""
 
     state: Any
     meta: dict
     step: int
+    skipped: list[tuple[int, str]] = dataclasses.field(default_factory=list)
+
+
+class _QuietFailedReads(logging.Filter):
+    """Drops what a restore that failed leaves behind in the logs.
+
+    Orbax reads a checkpoint's arrays concurrently (one tensorstore read per array, gathered
+    on an event loop it closes when the gather ends). When one read fails (a damaged file),
+    the gather raises at once and the loop closes while the other reads are still in flight;
+    as each finishes, its callback finds the loop closed and reports "RuntimeError: Event loop
+    is closed" as an unraisable exception, and asyncio logs each failed task as "never
+    retrieved". The restore has already failed and ``restore_latest`` reports the damaged
+    checkpoint once, so these repeats (a traceback per array) carry nothing; they are dropped,
+    and every other unraisable exception and log record passes through unchanged."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.name == "asyncio"
+                    and "never retrieved" in str(record.msg)
+                    and "async_deserialize" in record.getMessage())
+
+
+_quiet_installed = [False]
+
+
+def _quiet_failed_reads() -> None:
+    """Installs ``_QuietFailedReads`` once per process (the asyncio log filter, and an
+    unraisable-exception hook that drops only "Event loop is closed" without an object)."""
+    if _quiet_installed[0]:
+        return
+    import sys
+
+    logging.getLogger("asyncio").addFilter(_QuietFailedReads())
+    previous = sys.unraisablehook
+
+    def hook(unraisable):
+        if not (unraisable.object is None and isinstance(unraisable.exc_value, RuntimeError)
+                and str(unraisable.exc_value) == "Event loop is closed"):
+            previous(unraisable)
+
+    sys.unraisablehook = hook
+    _quiet_installed[0] = True
+
+
+def _damage(e: Exception) -> str:
+    """A damaged checkpoint's reason in one line."""
+    first = str(e).splitlines()[0] if str(e) else ""
+    return f"{type(e).__name__}: {first[:200]}"
 
 
 @jax.jit
@@ -56,6 +104,20 @@ def _same_fingerprint(a, b) -> bool:
     if b is None or len(a) != len(b):
         return False
     return bool(np.allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6))
+
+
+class _quiet_logger:
+    """Raises a logger's level to CRITICAL for a ``with`` block."""
+
+    def __init__(self, name: str):
+        self._logger = logging.getLogger(name)
+
+    def __enter__(self):
+        self._level = self._logger.level
+        self._logger.setLevel(logging.CRITICAL)
+
+    def __exit__(self, *exc):
+        self._logger.setLevel(self._level)
 
 
 def saved_steps(directory: str | Path) -> list[int]:
@@ -100,31 +162,42 @@ class Checkpointer:
         self._manager.reload()
         return sorted(self._manager.all_steps())
 
-    def restore_latest(self, like, *, at_most: int | None = None) -> Restored | None:
+    def restore_latest(self, like, *, at_most: int | None = None,
+                       warn=None) -> Restored | None:
         """The newest checkpoint (of step ``at_most`` or earlier, if given) that restores and
         matches its fingerprint, else None.
 
         Args:
           like: a state with the right structure, shapes and dtypes (e.g. the freshly built
             initial state); its values are not used.
+          warn: ``warn(message)`` for each damaged checkpoint skipped (default: a logged
+            warning); the skipped ones are also in ``Restored.skipped``.
         """
+        _quiet_failed_reads()
         abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, like)
+        skipped: list[tuple[int, str]] = []
         for step in reversed([s for s in self.steps() if at_most is None or s <= at_most]):
             try:
-                out = self._manager.restore(
-                    step,
-                    args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract),
-                                            meta=ocp.args.JsonRestore()),
-                )
+                # Orbax's own error logs about a damaged file (absl) would repeat ours.
+                with _quiet_logger("absl"):
+                    out = self._manager.restore(
+                        step,
+                        args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract),
+                                                meta=ocp.args.JsonRestore()),
+                    )
                 state, meta = out["state"], dict(out["meta"])
                 if not _same_fingerprint(fingerprint(state), meta.get("fingerprint")):
                     raise ValueError("restored values do not match the saved fingerprint")
             except Exception as e:  # any failure to read a checkpoint means it is damaged
-                _log.warning("checkpoint %d in %s is damaged (%s: %s); trying the previous one",
-                             step, self.directory, type(e).__name__, str(e).splitlines()[0]
-                             if str(e) else "")
+                skipped.append((step, _damage(e)))
+                message = (f"checkpoint {step} in {self.directory} is damaged ({_damage(e)}); "
+                           "trying the previous one")
+                if warn is None:
+                    _log.warning("%s", message)
+                else:
+                    warn(message)
                 continue
-            return Restored(state=state, meta=meta, step=step)
+            return Restored(state=state, meta=meta, step=step, skipped=skipped)
         return None
 
     def set_aside(self, steps) -> list[Path]:

@@ -10,6 +10,7 @@ problem naming the field, the value and what is allowed, with exit status 2 and 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -67,6 +68,9 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--no-progress", action="store_true", help=NO_PROGRESS)
     e = sub.add_parser("eval", help="evaluate a run's newest checkpoint; prints JSON")
     e.add_argument("run_dir", help="the run directory")
+    e.add_argument("--strict", action="store_true",
+                   help="fail (exit 2) if the newest checkpoint is damaged, instead of "
+                        "evaluating the newest one that restores")
     rep = sub.add_parser("report", help="tables and figures in the paper's layout from runs")
     rep.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories")
     rep.add_argument("--out", default="report", help="output directory (default: report)")
@@ -189,14 +193,22 @@ def _command(argv: list[str] | None) -> int:
         if args.command == "eval":
             from fedjax_rcl.api import evaluate
 
-            print(json.dumps(evaluate(args.run_dir)))
+            result = evaluate(args.run_dir, strict=args.strict)
+            for run in result.get("runs", [result]):
+                _say_evaluated(run)
+            print(json.dumps(result))
             return 0
         path, overrides = _split_config_args(args.args)
         if args.command in ("train", "mfcl"):
             from fedjax_rcl import api
+            from fedjax_rcl.data.sources import spec_only
             from fedjax_rcl.training import warn_stderr
 
-            cfg = api.resolved_config(path, *overrides, program=args.command)
+            # --print-config reads no data: only the dataset's spec is checked, not that the
+            # data is there (it prints offline, for data this machine does not have).
+            no_data = spec_only if args.print_config else contextlib.nullcontext
+            with no_data():
+                cfg = api.resolved_config(path, *overrides, program=args.command)
             if args.print_config:
                 print(to_yaml(cfg), end="")
                 return 0
@@ -211,6 +223,18 @@ def _command(argv: list[str] | None) -> int:
     except KeyboardInterrupt:
         return _fail("interrupted", 130)
     return 0
+
+
+def _say_evaluated(run: dict) -> None:
+    """One line on standard error: which checkpoint ``eval`` evaluated, and why not the
+    newest when it fell back from a damaged one."""
+    if "fell_back_from" in run:
+        print(f"fedjax-rcl: warning: {run['run_dir']}: the newest checkpoint (round "
+              f"{run['fell_back_from']}) is damaged ({run['reason']}); evaluated round "
+              f"{run['round']} instead", file=sys.stderr)
+    else:
+        print(f"fedjax-rcl: evaluated {run['run_dir']} at round {run['round']} (its newest "
+              "checkpoint)", file=sys.stderr)
 
 
 def _config(args: list[str]) -> int:

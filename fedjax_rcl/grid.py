@@ -583,15 +583,17 @@ def _restore_common(exps: list[Experiment], ckpts: list[Checkpointer], force: bo
     return restored
 
 
-def evaluate_grid(run_dir: Path, cfg: CoreConfig, *,
-                  dataset: ImageDataset | None = None) -> dict:
+def evaluate_grid(run_dir: Path, cfg: CoreConfig, *, dataset: ImageDataset | None = None,
+                  strict: bool = False) -> dict:
     """Every member's newest complete checkpoint on the full test set, and the mean and sd of
-    the test accuracy and loss over them."""
+    the test accuracy and loss over them (``training.evaluate_run`` for each member: which
+    checkpoint, and ``strict``)."""
     from fedjax_rcl.training import evaluate_run
 
     if dataset is None:
         dataset = load_dataset(cfg.dataset, data_dir=cfg.data_dir)
-    runs = [evaluate_run(c.run_dir, dataset=dataset) for c in member_configs(cfg, run_dir)]
+    runs = [evaluate_run(c.run_dir, dataset=dataset, strict=strict)
+            for c in member_configs(cfg, run_dir)]
     acc, acc_sd = _spread([r["test_accuracy"] for r in runs])
     loss, loss_sd = _spread([r["test_loss"] for r in runs])
     return {"run_dir": str(run_dir), "runs": runs, "test_accuracy": acc,

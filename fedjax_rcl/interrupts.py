@@ -10,6 +10,21 @@ waits for any critical section in progress (a checkpoint being made durable, a m
 being written), prints the status line and ends the process with ``os._exit``: nothing unwinds
 through XLA, and what is on disk is exactly what the status line says.
 
+Inside the run loop's blocks (``saving_on_request``) the host holds completed rounds that may
+not be checkpointed yet, so a first signal does not end the process there: it asks the loop
+to stop at the end of the block in flight (the compiled rounds between two evaluations are
+one call; the state they start from was donated to it, so the last round whose state the host
+can hold is the block's last), where the loop saves that round and then stops with the same
+status and line (``requested``, ``stop``). A second signal ends the process at once, as
+anywhere outside the blocks. (The loop defers only in a single-process run: processes of a
+multi-process run would each stop at the block their own signal reached, leaving the others
+waiting in the next block's collectives.)
+
+For tests, ``FEDJAX_RCL_TEST_SIGNAL`` makes the process signal itself at a named moment, so
+that "killed during a save" is certain rather than hoped for: ``phase=saving,round=3,
+signal=KILL`` (``test_point``; phases ``compiling``, ``training``, ``evaluating``,
+``saving``, ``between``; ``times=2`` sends it twice). Unset, ``test_point`` does nothing.
+
 Usage (the command line does this)::
 
     interrupts.install()
@@ -28,12 +43,19 @@ import sys
 import threading
 from collections.abc import Iterator
 
-__all__ = ["critical", "install", "resume_status", "set_status", "work_done"]
+__all__ = ["critical", "install", "requested", "resume_status", "saving_on_request",
+           "set_status", "stop", "test_point", "work_done"]
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 _lock = threading.RLock()  # held by the main thread around critical sections
 _status = ["interrupted before the run started; nothing was written"]
 _installed = [False]
+_flags = threading.Lock()  # guards the two flags below between the watcher and the loop
+_deferring = [False]  # the run loop will save the round in flight on a request
+_requested: list[int | None] = [None]  # the first signal, while deferring
+_received = threading.Event()  # the watcher has acted on a signal (for ``test_point``)
+TEST_SIGNAL_ENV = "FEDJAX_RCL_TEST_SIGNAL"
+PHASES = ("compiling", "training", "evaluating", "saving", "between")
 
 
 def set_status(message: str) -> None:
@@ -59,19 +81,102 @@ def critical() -> Iterator[None]:
         yield
 
 
+def _exit_now(signum: int) -> None:
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    name = signal.Signals(signum).name
+    os.write(2, f"\nfedjax-rcl: {name}: stopped; {_status[0]}\n".encode())
+    os._exit(128 + signum)
+
+
 def _watch(fd: int) -> None:
     while True:
         data = os.read(fd, 1)
-        if data and data[0] in {int(s) for s in SIGNALS}:
-            break
-    signum = data[0]
-    with _lock:  # let a checkpoint or a metrics line in progress finish
-        for stream in (sys.stdout, sys.stderr):
-            with contextlib.suppress(Exception):
-                stream.flush()
-        name = signal.Signals(signum).name
-        os.write(2, f"\nfedjax-rcl: {name}: stopped; {_status[0]}\n".encode())
-        os._exit(128 + signum)
+        if not data or data[0] not in {int(s) for s in SIGNALS}:
+            continue
+        signum = data[0]
+        with _flags:
+            second = _requested[0] is not None
+            defer = _deferring[0] and not second
+            if defer:
+                _requested[0] = signum
+        if second:  # the second signal: at once, whatever is in progress
+            _exit_now(signum)
+        if defer:
+            name = signal.Signals(signum).name
+            os.write(2, f"\nfedjax-rcl: {name}: saving the round in progress, then stopping "
+                        "(a second SIGINT or SIGTERM stops at once)\n".encode())
+            _received.set()
+            continue
+        _received.set()
+        with _lock:  # let a checkpoint or a metrics line in progress finish
+            _exit_now(signum)
+
+
+@contextlib.contextmanager
+def saving_on_request() -> Iterator[None]:
+    """The run loop's blocks: a first signal inside sets ``requested`` instead of ending the
+    process; the loop saves the round it reaches and calls ``stop``. Leaving the block with
+    a request pending (the stage's end, an error) stops the same way."""
+    with _flags:
+        _deferring[0] = True
+    try:
+        yield
+    finally:
+        with _flags:
+            _deferring[0] = False
+            pending = _requested[0]
+        if pending is not None:
+            stop()
+
+
+def requested() -> int | None:
+    """The signal that asked the run loop to save and stop, or None."""
+    return _requested[0]
+
+
+def stop() -> None:
+    """Ends the process as the requested signal asks (``128 + signal``), with the status line;
+    the caller has saved what it holds."""
+    with _lock:
+        _exit_now(_requested[0] or signal.SIGINT)
+
+
+def _test_plan() -> dict | None:
+    text = os.environ.get(TEST_SIGNAL_ENV)
+    if not text:
+        return None
+    plan = dict(item.split("=", 1) for item in text.split(",") if item)
+    if plan.get("phase") not in PHASES or "signal" not in plan:
+        raise ValueError(f"{TEST_SIGNAL_ENV}={text!r}: phase= one of {', '.join(PHASES)}, "
+                         "signal= INT, TERM or KILL, optional round= and times=")
+    return plan
+
+
+_plan: list = []
+
+
+def test_point(phase: str, first: int | None = None, last: int | None = None) -> None:
+    """A named moment of the run (rounds ``first..last``): with ``FEDJAX_RCL_TEST_SIGNAL``
+    naming it, the process sends itself the signal there (once per process) and goes on once
+    the watcher has acted on it."""
+    if not _plan:
+        _plan.append(_test_plan())
+    plan = _plan[0]
+    if plan is None or plan.get("fired") or plan["phase"] != phase:
+        return
+    if "round" in plan and first is not None:
+        wanted = int(plan["round"])
+        if not first <= wanted <= (first if last is None else last):
+            return
+    plan["fired"] = True
+    signum = getattr(signal, "SIG" + plan["signal"])
+    for _ in range(int(plan.get("times", 1))):
+        _received.clear()
+        os.kill(os.getpid(), signum)
+        if signum in SIGNALS and _installed[0]:
+            _received.wait(timeout=120)
 
 
 def install() -> None:

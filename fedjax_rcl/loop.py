@@ -127,6 +127,7 @@ def save_checkpoint(ckpt: Checkpointer, run_dir: Path, step: int, tree, meta: di
     waits for it) can name it, ``where`` (``"round 10"``), as the last complete one."""
     with interrupts.critical():
         ckpt.save(step, tree, meta)
+        interrupts.test_point("saving", step)
         ckpt.wait()
     interrupts.resume_status(run_dir, where)
 
@@ -175,37 +176,58 @@ def run_stage(stage: Stage, state, done: int, *, run_dir: Path, sink: Sink,
     on_terminal = progress and is_primary() and sys.stderr.isatty()
     bar = tqdm(total=stage.total, initial=done, unit=stage.label.split()[-1],
                disable=not on_terminal, dynamic_ncols=True)
+    # One process: a signal saves the round the block reaches (interrupts.saving_on_request).
+    # Several: each process would see its signal at its own block and stop there while the
+    # others wait in the next block's collectives, so a signal ends them at once, as before.
+    on_request = (interrupts.saving_on_request() if jax.process_count() == 1
+                  else contextlib.nullcontext())
     try:
-        while done < stage.total:
-            n = min(stage.every - done % stage.every, stage.total - done)
-            block_start = time.perf_counter()
-            with jax.transfer_guard("disallow"):
-                state, out = stage.advance(state, done, n)
-            block_s = time.perf_counter() - block_start
-            done += n
-            record = stage.record(state, out, done, n, block_s,
-                                  time.perf_counter() - start)
-            if step_sink is not None and stage.step_lines is not None:
-                for line in stage.step_lines(out, done, n):
-                    step_sink.write(line)
-            sink.write(record)
-            stopped = any([bool(callback(record)) for callback in callbacks])
-            if done == stage.total or stopped or (
-                    stage.checkpoint_every and done - last_saved >= stage.checkpoint_every):
-                last_saved = done
-                tree, meta = stage.checkpoint(state, done, record)
-                save_checkpoint(stage.checkpointer, run_dir, done, tree, meta,
-                                f"{stage.label} {done}")
-            bar.update(n)
-            bar.set_postfix(stage.postfix(record))
-            if not on_terminal:
-                log(progress_text(stage.label, stage.unit, done, stage.total,
-                                  stage.describe(record), done - first,
-                                  time.perf_counter() - start))
-            if stopped:
-                log(f"stopped by a callback at {stage.label} {done}; continue with: "
-                    f"fedjax-rcl resume {run_dir}")
-                return state, record, True
+        with on_request:
+            while done < stage.total:
+                if interrupts.requested() is not None:
+                    # A SIGINT or SIGTERM: the round reached is saved, then the process stops.
+                    if last_saved != done:
+                        tree, meta = stage.checkpoint(state, done, record)
+                        save_checkpoint(stage.checkpointer, run_dir, done, tree, meta,
+                                        f"{stage.label} {done}")
+                    for s in (sink, step_sink):
+                        if s is not None:
+                            s.close()
+                    interrupts.stop()
+                n = min(stage.every - done % stage.every, stage.total - done)
+                interrupts.test_point("training", done + 1, done + n)
+                block_start = time.perf_counter()
+                with jax.transfer_guard("disallow"):
+                    state, out = stage.advance(state, done, n)
+                block_s = time.perf_counter() - block_start
+                done += n
+                record = stage.record(state, out, done, n, block_s,
+                                      time.perf_counter() - start)
+                if step_sink is not None and stage.step_lines is not None:
+                    for line in stage.step_lines(out, done, n):
+                        step_sink.write(line)
+                sink.write(record)
+                stopped = any([bool(callback(record)) for callback in callbacks])
+                # A SIGINT or SIGTERM during the block: save the round it reached (the next
+                # turn of the loop stops).
+                signalled = interrupts.requested() is not None
+                if done == stage.total or stopped or signalled or (
+                        stage.checkpoint_every and done - last_saved >= stage.checkpoint_every):
+                    last_saved = done
+                    tree, meta = stage.checkpoint(state, done, record)
+                    save_checkpoint(stage.checkpointer, run_dir, done, tree, meta,
+                                    f"{stage.label} {done}")
+                bar.update(n)
+                bar.set_postfix(stage.postfix(record))
+                if not on_terminal:
+                    log(progress_text(stage.label, stage.unit, done, stage.total,
+                                      stage.describe(record), done - first,
+                                      time.perf_counter() - start))
+                if stopped:
+                    log(f"stopped by a callback at {stage.label} {done}; continue with: "
+                        f"fedjax-rcl resume {run_dir}")
+                    return state, record, True
+                interrupts.test_point("between", done)
     finally:
         bar.close()
     return state, record, False

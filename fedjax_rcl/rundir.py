@@ -48,7 +48,9 @@ def holds_run(run_dir: Path) -> bool:
 
 def _refuse_existing(run_dir: Path) -> None:
     raise ConfigError([f"run_dir={str(run_dir)!r}: already holds a run; continue it with "
-                       f"'fedjax-rcl resume {run_dir}', or choose another run_dir"])
+                       f"'fedjax-rcl resume {run_dir}' (from Python: "
+                       f"fedjax_rcl.resume({str(run_dir)!r})), or choose another run_dir (left "
+                       "out, every run gets a new one under runs/)"])
 
 
 def resolve_new(cfg: RunNaming) -> Path | None:

@@ -97,6 +97,7 @@ def compile_program(exp: Experiment, log: Callable[[str], None] = _silent) -> Pr
     """Compiles the rounds (through the experiment's client-table strategy) and the
     evaluation, once, before the loop."""
     log("compiling the round (once per run; a repeat reads JAX's cache)...")
+    interrupts.test_point("compiling")
     t0 = time.perf_counter()
     advance = exp.compile_rounds()
     evaluate = exp.evaluate.lower(exp.state.params, exp.state.model_state, exp.test).compile()
@@ -151,6 +152,7 @@ def rounds_stage(exp: Experiment, program: Program, ckpt: Checkpointer, acc_ema:
     def advance(state, done, n):
         state, metrics = program.advance(state, n)
         check_finite(metrics, done, n)
+        interrupts.test_point("evaluating", done + n)
         return state, (metrics, to_host(program.evaluate(state.params, state.model_state,
                                                          exp.test)))
 
@@ -416,8 +418,10 @@ def _resume_locked(run_dir: Path, cfg: CoreConfig, *, force: bool,
                 progress=progress, log=log, callbacks=callbacks)
 
 
-def load_run(run_dir: str | Path, *, dataset: ImageDataset | None = None):
-    """A run's experiment and its newest complete checkpoint.
+def load_run(run_dir: str | Path, *, dataset: ImageDataset | None = None, warn=None):
+    """A run's experiment and its newest complete checkpoint that restores (damaged newer
+    ones are skipped: ``warn(message)`` for each, default a logged warning; they are listed
+    in ``restored.skipped``).
 
     Returns:
       ``(experiment, restored)``; ``restored.state`` is what the checkpoint holds (the server
@@ -429,7 +433,7 @@ def load_run(run_dir: str | Path, *, dataset: ImageDataset | None = None):
     exp = build(cfg, dataset)
     ckpt = Checkpointer(run_dir / "checkpoints", keep=cfg.keep_checkpoints)
     try:
-        restored = ckpt.restore_latest(exp.table.checkpoint(exp.state))
+        restored = ckpt.restore_latest(exp.table.checkpoint(exp.state), warn=warn)
     finally:
         ckpt.close()
     if restored is None:
@@ -437,11 +441,30 @@ def load_run(run_dir: str | Path, *, dataset: ImageDataset | None = None):
     return exp, restored
 
 
-def evaluate_run(run_dir: str | Path, *, dataset: ImageDataset | None = None) -> dict:
-    """Evaluates a run's newest complete checkpoint on the full test set."""
-    exp, restored = load_run(run_dir, dataset=dataset)
+def evaluate_run(run_dir: str | Path, *, dataset: ImageDataset | None = None,
+                 strict: bool = False) -> dict:
+    """Evaluates a run's newest complete checkpoint on the full test set.
+
+    Returns ``{"run_dir", "round" (the checkpoint evaluated), "checkpoint" (its directory),
+    "test_accuracy", "test_loss", "test_accuracy_ema"}``; when the newest checkpoint is
+    damaged and an older one was evaluated instead, also ``"fell_back_from"`` (the newest
+    checkpoint's round) and ``"reason"`` (what was wrong with it).
+
+    Raises:
+      ConfigError: ``strict`` and the newest checkpoint is damaged (nothing is evaluated).
+    """
+    exp, restored = load_run(run_dir, dataset=dataset, warn=lambda message: None)
+    if restored.skipped and strict:
+        newest, reason = restored.skipped[0]
+        raise ConfigError([f"eval --strict: the newest checkpoint of {run_dir} (round {newest}) "
+                           f"is damaged ({reason}); the newest that restores is round "
+                           f"{restored.step}"])
     state = exp.table.restore(restored.state)
     ev = to_host(exp.evaluate(state.params, state.model_state, exp.test))
-    return {"run_dir": str(run_dir), "round": restored.step,
-            "test_accuracy": float(ev["accuracy"]), "test_loss": float(ev["loss"]),
-            "test_accuracy_ema": restored.meta.get("test_accuracy_ema")}
+    out = {"run_dir": str(run_dir), "round": restored.step,
+           "checkpoint": str(Path(run_dir) / "checkpoints" / str(restored.step)),
+           "test_accuracy": float(ev["accuracy"]), "test_loss": float(ev["loss"]),
+           "test_accuracy_ema": restored.meta.get("test_accuracy_ema")}
+    if restored.skipped:
+        out["fell_back_from"], out["reason"] = restored.skipped[0]
+    return out

@@ -22,16 +22,22 @@ def _rows(run_dir):
 
 
 @pytest.mark.slow
-def test_the_documented_example_runs(tmp_path):
+def test_the_documented_example_runs_and_runs_again(tmp_path):
     code = re.search(r"```python\n(.*?)```", DOC.read_text(), re.S).group(1)
-    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True,
-                          text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out = proc.stdout.splitlines()
-    assert out[0].startswith("5 evaluations; test accuracy")
-    assert out[1].startswith("stopped early: True at round")
-    assert "'round':" in out[2] and out[3] == "refused: rounds=0: must be >= 1"
-    assert (tmp_path / "runs" / "from-python" / "config.yaml").is_file()
+    for attempt in (1, 2):  # a second run of the same code starts a second run
+        proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True,
+                              text=True, timeout=900)
+        assert proc.returncode == 0, (attempt, proc.stderr[-3000:])
+        out = proc.stdout.splitlines()
+        assert out[0].startswith("5 evaluations; test accuracy")
+        assert out[1].startswith("stopped early: True at round")
+        assert "'round':" in out[2] and out[3] == "refused: rounds=0: must be >= 1"
+    runs = sorted((tmp_path / "runs").iterdir())
+    assert len(runs) == 2
+    for run in runs:  # each records the calls that trained it
+        assert (run / "commands.txt").read_text().splitlines() == [
+            "python: fedjax_rcl.train(None, 'algorithm=fedavg', 'rounds=5')",
+            f"python: fedjax_rcl.resume('{run.relative_to(tmp_path)}', 'rounds=40')"]
 
 
 def test_a_callback_stops_the_run_cleanly_and_resume_gives_the_uninterrupted_result(tmp_path):
@@ -52,6 +58,11 @@ def test_a_callback_stops_the_run_cleanly_and_resume_gives_the_uninterrupted_res
     assert _rows(again.run_dir) == _rows(whole.run_dir)
     loaded = fedjax_rcl.load(part.run_dir)
     assert loaded.config.rounds == 4 and loaded.metrics == again.metrics
+    # Runs started from Python record the calls in commands.txt, as the command line does.
+    assert (part.run_dir / "commands.txt").read_text().splitlines() == [
+        f"python: fedjax_rcl.train(None, {', '.join(map(repr, TINY))}, 'rounds=4', "
+        f"'run_dir={tmp_path / 'part'}')",
+        f"python: fedjax_rcl.resume({str(part.run_dir)!r})"]
 
 
 def test_configs_from_a_dict_a_yaml_path_and_overrides(tmp_path):

@@ -29,8 +29,14 @@ def test_digest_covers_the_sections_in_use_only():
     (["norm=batch", "mfcl.rho=2"], "db0f75bb7c96e658"),
 ])
 def test_a_setting_added_later_keeps_older_runs_digest_at_its_default(overrides, digest):
-    from fedjax_rcl.mfcl.run import MFCL_DEFAULTS
-
+    # fedjax-rcl mfcl's defaults as they were then (before the digits demo was made smaller).
+    MFCL_DEFAULTS = {  # noqa: N806
+        "algorithm": "mfcl", "model": "mfcl_autoencoder", "norm": "twin", "num_clients": 10,
+        "participation": 1.0, "partition": "dirichlet", "alpha": 0.01, "balanced": False,
+        "rounds": 15, "local_epochs": 1, "batch_size": 64, "lr": 1e-3, "lr_decay": 1.0,
+        "momentum": 0.0, "weight_decay": 0.0, "clip_norm": 0.0, "aggregation": "size",
+        "checkpoint_every": 5,
+    }
     cfg = load_config(None, overrides, defaults=MFCL_DEFAULTS)
     assert config_digest(cfg) == digest
     if "norm=batch" in overrides:

@@ -1,10 +1,30 @@
-"""Signals while the interpreter shuts down, after a command's work is on disk."""
+"""Signals at named moments of a run, and while the interpreter shuts down after the work.
 
+Every trial hits its moment through the run's test hook (``FEDJAX_RCL_TEST_SIGNAL``: the
+process signals itself at the named phase and round), never by timing: a kill "during a save"
+is one, and every trial asserts the exit status, the line, what is on disk, and that resuming
+gives the uninterrupted run's metrics and state, nothing lost and nothing duplicated.
+"""
+
+import json
+import os
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
+import chex
 import pytest
+
+from fedjax_rcl.checkpoint import saved_steps
+from fedjax_rcl.cli import main
+from fedjax_rcl.config import load_config
+from fedjax_rcl.training import load_run, train
+
+# 6 rounds of FedAvg on 4 digits clients, checkpoints at rounds 0, 3 and 6: a signal at round
+# 4 or 5 finds completed rounds that no checkpoint holds.
+ARGS = ["dataset=digits", "algorithm=fedavg", "num_clients=4", "participation=0.5",
+        "local_epochs=1", "partition=iid", "rounds=6", "checkpoint_every=3"]
 
 # A module global's __del__ runs during module teardown, after CPython has restored the default
 # action of signals with a Python handler (_PySignal_Fini) and the watcher thread has stopped:
@@ -48,3 +68,97 @@ def test_work_done_before_install_or_off_the_main_thread_changes_nothing():
     if not interrupts._installed[0]:
         interrupts.work_done()
     assert {s: signal.getsignal(s) for s in interrupts.SIGNALS} == before
+
+
+def _metrics(run_dir):
+    rows = [json.loads(x) for x in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in r.items() if not k.endswith("_s")} for r in rows]  # no timings
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The uninterrupted run: its metrics and final checkpoint."""
+    run = tmp_path_factory.mktemp("ref") / "run"
+    train(load_config(None, [*ARGS, f"run_dir={run}"]), progress=False, log=lambda s: None)
+    return _metrics(run), load_run(run)[1]
+
+
+def _signalled(run, plan):
+    """``fedjax-rcl train`` that signals itself as ``plan`` says (the CLI process itself:
+    its handlers are installed only there)."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "FEDJAX_RCL_TEST_SIGNAL": plan}
+    return subprocess.run([sys.executable, "-m", "fedjax_rcl", "train", *ARGS,
+                           f"run_dir={run}", "--no-progress"], env=env, capture_output=True,
+                          text=True, timeout=600)
+
+
+def _resumes_to_the_reference(run, reference):
+    metrics, state = reference
+    assert main(["resume", str(run), "--no-progress"]) == 0
+    assert _metrics(run) == metrics  # nothing lost, nothing duplicated
+    restored = load_run(run)[1]
+    assert restored.step == state.step
+    chex.assert_trees_all_equal(restored.state, state.state)  # bitwise
+
+
+def _recorded(run) -> list[int]:
+    path = Path(run) / "metrics.jsonl"
+    return [json.loads(x)["round"] for x in path.read_text().splitlines()] if path.exists() else []
+
+
+# (moment, hook, newest checkpoint on disk after the signal): a signal inside a block waits for
+# the block's round and saves it; outside (compiling) nothing newer than round 0 exists.
+MOMENTS = [
+    ("compiling", "phase=compiling", 0),
+    ("training round 5", "phase=training,round=5", 5),
+    ("evaluating round 5", "phase=evaluating,round=5", 5),
+    ("saving round 3", "phase=saving,round=3", 3),
+    ("between rounds 4 and 5", "phase=between,round=4", 4),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("moment, hook, saved", MOMENTS, ids=[m[0] for m in MOMENTS])
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["INT", "TERM"])
+def test_sigint_and_sigterm_save_the_last_completed_round_and_resume_exactly(
+        reference, tmp_path, moment, hook, saved, sig):
+    run = tmp_path / "run"
+    proc = _signalled(run, f"{hook},signal={sig.name[3:]}")
+    assert proc.returncode == 128 + sig, (moment, proc.returncode, proc.stderr[-3000:])
+    assert "Traceback" not in proc.stderr and "Segmentation" not in proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    where = f"last complete checkpoint: round {saved}"
+    assert last == (f"fedjax-rcl: {sig.name}: stopped; run_dir {run}: {where}; continue "
+                    f"with: fedjax-rcl resume {run}"), last
+    assert saved_steps(run / "checkpoints")[-1] == saved
+    assert _recorded(run) == list(range(1, saved + 1))  # every recorded round is saved
+    _resumes_to_the_reference(run, reference)
+
+
+@pytest.mark.slow
+def test_a_second_signal_stops_at_once_without_saving(reference, tmp_path):
+    run = tmp_path / "run"
+    proc = _signalled(run, "phase=training,round=5,signal=INT,times=2")
+    assert proc.returncode == 130, proc.stderr[-3000:]
+    err = [line for line in proc.stderr.splitlines() if line]
+    assert err[-2].startswith("fedjax-rcl: SIGINT: saving the round in progress, then stopping")
+    assert err[-1].endswith(f"last complete checkpoint: round 3; continue with: fedjax-rcl "
+                            f"resume {run}"), err[-1]
+    assert saved_steps(run / "checkpoints")[-1] == 3
+    _resumes_to_the_reference(run, reference)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("hook, saved", [("phase=saving,round=3", 0),
+                                         ("phase=saving,round=6", 3),
+                                         ("phase=training,round=5", 3)],
+                         ids=["saving round 3", "saving round 6", "training round 5"])
+def test_sigkill_during_a_save_or_a_round_resumes_to_the_same_result(reference, tmp_path,
+                                                                       hook, saved):
+    run = tmp_path / "run"
+    proc = _signalled(run, f"{hook},signal=KILL")
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
+    if "saving" in hook:  # killed with the save in flight: Orbax's temporary directory
+        assert any("tmp" in p.name for p in (run / "checkpoints").iterdir())
+    assert saved_steps(run / "checkpoints")[-1] == saved
+    _resumes_to_the_reference(run, reference)

@@ -29,8 +29,12 @@ CACHE_FORMAT_VERSION = 1
 
 
 def default_cache_dir() -> Path:
-    """Where decoded arrays are cached: ``$FEDJAX_RCL_CACHE``, else ``~/.cache/fedjax_rcl``."""
-    return Path(os.environ.get("FEDJAX_RCL_CACHE") or Path.home() / ".cache" / "fedjax_rcl")
+    """The cache root (decoded arrays here; JAX's compile cache in ``jax/``, the oneDNN
+    extension in ``ext/``): ``$FEDJAX_RCL_CACHE``, else ``$XDG_CACHE_HOME/fedjax_rcl`` (the
+    XDG base-directory convention), else ``~/.cache/fedjax_rcl``."""
+    if os.environ.get("FEDJAX_RCL_CACHE"):
+        return Path(os.environ["FEDJAX_RCL_CACHE"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "fedjax_rcl"
 
 
 def cached_arrays(cache_dir: str | os.PathLike | None, kind: str, key: Sequence,

@@ -20,6 +20,8 @@ tensorflow-datasets or scikit-learn.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import inspect
 from collections.abc import Mapping
 
@@ -40,6 +42,7 @@ __all__ = [
     "default_cache_dir",
     "from_arrays",
     "load_dataset",
+    "spec_only",
 ]
 
 def _parse_spec(spec: str) -> tuple[registry.DatasetEntry | None, str | None]:
@@ -163,6 +166,21 @@ def from_arrays(name: str, arrays: Mapping) -> ImageDataset:
                         hflip=bool(arrays.get("hflip", True)))
 
 
+_CHECK_PRESENCE = contextvars.ContextVar("fedjax_rcl_check_data_presence", default=True)
+
+
+@contextlib.contextmanager
+def spec_only():
+    """A block in which ``check_dataset_spec`` checks the spec's form (a known name, the
+    ``imagefolder:`` form) but not that the data is there: for what reads no data, such as
+    ``--print-config``, which must work offline for a dataset this machine does not have."""
+    token = _CHECK_PRESENCE.set(False)
+    try:
+        yield
+    finally:
+        _CHECK_PRESENCE.reset(token)
+
+
 def check_dataset_spec(spec: str, *, data_dir: str | None = None) -> None:
     """Validates a spec cheaply, without decoding any image.
 
@@ -178,6 +196,8 @@ def check_dataset_spec(spec: str, *, data_dir: str | None = None) -> None:
         DataError: Naming what is wrong and how to fix it.
     """
     entry, path = _parse_spec(spec)
+    if not _CHECK_PRESENCE.get():  # ``spec_only``
+        return
     if entry is None:
         from fedjax_rcl.data import imagefolder
         imagefolder.check_imagefolder(path)

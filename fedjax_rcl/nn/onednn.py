@@ -48,7 +48,9 @@ class OneDnnUnavailable(RuntimeError):
 
 
 def cache_dir() -> Path:
-    root = os.environ.get("FEDJAX_RCL_CACHE") or Path.home() / ".cache" / "fedjax_rcl"
+    # The cache root as fedjax_rcl.data.cache.default_cache_dir chooses it (nn sits below data).
+    root = os.environ.get("FEDJAX_RCL_CACHE") or Path(
+        os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "fedjax_rcl"
     return Path(root) / "ext"
 
 
