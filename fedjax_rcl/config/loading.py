@@ -13,7 +13,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
 from fedjax_rcl import registry
-from fedjax_rcl.config.checks import validate
+from fedjax_rcl.config.checks import unread_settings, validate
 from fedjax_rcl.config.schema import CoreConfig, field_type, schema, section_type
 from fedjax_rcl.config.sweeps import sweep_overrides
 from fedjax_rcl.validation import ConfigError
@@ -132,7 +132,14 @@ def load_config(path: str | None = None, overrides: list[str] | tuple[str, ...] 
     if plugin_problems:
         raise ConfigError(plugin_problems)
     base = OmegaConf.structured(schema())
+    given = [o.partition("=")[0].strip() for o in overrides]
     overrides = [_quote_string_value(o) for o in sweep_overrides(overrides)]
+    # Settings given on the command line that the chosen algorithm does not read are refused
+    # (a YAML file may set several algorithms' sections: a run's config.yaml records them all).
+    algorithm = _algorithm(base, layers, overrides)
+    unread = unread_settings(algorithm, given) if algorithm is not None else []
+    if unread:
+        raise ConfigError(unread)
     try:
         return _merged(base, layers, overrides)
     except ConfigError as first:
@@ -152,6 +159,15 @@ def load_config(path: str | None = None, overrides: list[str] | tuple[str, ...] 
         except ConfigError as e:
             problems.extend(p for p in e.problems if p not in problems)
         raise ConfigError(problems or first.problems) from None
+
+
+def _algorithm(base, layers: list, overrides: list[str]) -> str | None:
+    """The algorithm the layers and overrides choose (None if they do not merge: the merge
+    proper then says why)."""
+    try:
+        return str(OmegaConf.merge(base, *layers, OmegaConf.from_dotlist(overrides)).algorithm)
+    except OmegaConfBaseException:
+        return None
 
 
 def _merged(base, layers: list, overrides: list[str], *, check: bool = True) -> CoreConfig:
