@@ -156,7 +156,12 @@ def _command(argv: list[str] | None) -> int:
     args, extra = p.parse_known_args(argv)
     unknown = [x for x in extra if x.startswith("-") or "=" not in x]
     if unknown:
-        p.error(f"unrecognized arguments: {' '.join(unknown)}")
+        # `--rounds=10` is a setting written as an option: say how to write it.
+        settings = [x.lstrip("-") for x in unknown if x.startswith("-") and "=" in x
+                    and x.lstrip("-")[:1].isalpha()]
+        hint = ("" if not settings or args.command in ("eval", "report", "suite", "config") else
+                f" (write settings as key=value: {' '.join(settings)})")
+        p.error(f"unrecognized arguments: {' '.join(unknown)}{hint}")
     if extra:
         if args.command in ("eval", "report", "suite"):
             p.error(f"{args.command} takes no overrides: {' '.join(extra)}")

@@ -43,7 +43,7 @@ from fedjax_rcl.engine.round import (
 )
 from fedjax_rcl.engine.sharding import client_mesh, put_replicated
 from fedjax_rcl.engine.tables import Advance, ClientTable, client_table
-from fedjax_rcl.models import ModelFns, get_model, model_fns
+from fedjax_rcl.models import ModelFns, get_model, input_size_problem, model_fns
 from fedjax_rcl.models.base import with_precision
 from fedjax_rcl.server import ServerOptimizer, server_optimizer
 from fedjax_rcl.validation import ConfigError
@@ -178,6 +178,10 @@ def build(cfg: CoreConfig, dataset: ImageDataset | None = None, *,
         The extra steps are masked, as an uneven client's are, so the results do not change.
     """
     dataset = dataset or load_dataset(cfg.dataset, data_dir=cfg.data_dir)
+    too_small = None if module is not None else input_size_problem(cfg.model, cfg.dataset,
+                                                                   dataset.image_shape)
+    if too_small:
+        raise ConfigError([too_small])
     if cfg.num_clients > len(dataset.train_labels):
         raise ConfigError([f"num_clients={cfg.num_clients}: must be <= the "
                            f"{len(dataset.train_labels)} training samples of {cfg.dataset}"])

@@ -100,6 +100,9 @@ class ModelEntry:
         ``ModelOutput.blocks`` has this many activations and ``__call__(h, train=..., start=k)``
         runs the model from block ``k`` on ``h = blocks[k - 1]``; 0: the model cannot be entered
         in the middle (``algorithm=fedmlb`` refuses it).
+      min_input_size: the smallest image height and width it takes (its valid convolutions and
+        pools leave a non-empty feature map), so that smaller data are refused before anything
+        is compiled; None: not stated (a plugin's model), nothing is checked.
     """
 
     name: str
@@ -108,6 +111,7 @@ class ModelEntry:
     norms: tuple[str, ...] = ("group",)
     width: bool = False
     num_blocks: int = 0
+    min_input_size: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -241,9 +245,14 @@ def register_algorithm(name: str, build: Callable, *, config: type | None = None
 
 def register_model(name: str, build: Callable, *, num_levels: int,
                    norms: tuple[str, ...] = ("group",), width: bool = False,
-                   num_blocks: int = 0, replace: bool = False) -> ModelEntry:
+                   num_blocks: int = 0, min_input_size: int | None = None,
+                   replace: bool = False) -> ModelEntry:
     """Makes ``model=name`` available (see ``ModelEntry`` for the arguments)."""
-    entry = ModelEntry(name, build, num_levels, tuple(norms), width, num_blocks)
+    if min_input_size is not None and (isinstance(min_input_size, bool) or not isinstance(
+            min_input_size, int) or min_input_size < 1):
+        raise ValueError(f"model {name!r}: min_input_size={min_input_size!r}: must be an "
+                         "integer >= 1 or None")
+    entry = ModelEntry(name, build, num_levels, tuple(norms), width, num_blocks, min_input_size)
     _add(MODELS, entry, "model", replace)
     return entry
 

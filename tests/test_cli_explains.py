@@ -140,3 +140,69 @@ def test_switching_the_analysis_off_on_resume_plots_fine(tmp_path, capsys):
     rows = [json.loads(r) for r in (run / "metrics.jsonl").read_text().splitlines()]
     assert "global_effective_rank" in rows[0] and "global_effective_rank" not in rows[1]
     assert (run / "accuracy.png").stat().st_size > 0
+
+
+def test_a_setting_or_sweep_the_algorithm_does_not_read_is_refused(capsys, tmp_path):
+    """``algorithm=fedavg 'fedrcl.beta=[0.5,2]'`` trained two identical runs; a setting of
+    another algorithm's section on the command line, or a sweep of one, is now refused with
+    a line naming the algorithm and what it reads. A YAML file may still set several
+    algorithms' sections (a run's config.yaml records them all)."""
+    from fedjax_rcl.config import load_config
+
+    reader = "fedrcl.* is read by algorithm=fedrcl, algorithm=fedscl"
+    assert main(["train", "algorithm=fedavg", "fedrcl.beta=[0.5,2]",
+                 f"run_dir={tmp_path / 'a'}"]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "fedjax-rcl: error: fedrcl.beta: algorithm fedavg does not read it (it reads no "
+        f"section of its own, only the shared settings; {reader})"]
+    assert main(["train", "algorithm=moon", "fedrcl.beta=2", f"run_dir={tmp_path / 'b'}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["fedjax-rcl: error: fedrcl.beta: algorithm moon does not read it (it reads: "
+                   f"moon.mu, moon.temperature, moon.projection_dim; {reader})"], err
+    sweep = tmp_path / "sweep.yaml"
+    sweep.write_text("algorithm: fedavg\nsweep:\n  key: fedrcl.beta\n  values: [0.5, 2]\n")
+    assert main(["train", str(sweep), f"run_dir={tmp_path / 'c'}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "sweep.key='fedrcl.beta': a sweep of a setting the algorithm " \
+        "does not read trains identical runs; fedrcl.beta: algorithm fedavg does not" in err[0]
+    both = tmp_path / "both.yaml"
+    both.write_text("algorithm: fedavg\nfedrcl:\n  beta: 2.0\nmoon:\n  mu: 3.0\n")
+    cfg = load_config(str(both), ["rounds=3"])
+    assert (cfg.algorithm, cfg.fedrcl.beta, cfg.moon.mu) == ("fedavg", 2.0, 3.0)
+    assert load_config(None, ["algorithm=moon", "moon.mu=2"]).moon.mu == 2.0
+
+
+@pytest.mark.parametrize("given", [["seeds=3"], ["seeds=0,1,2"], "seeds: 3\n"])
+def test_a_list_setting_given_one_value_says_how_to_write_a_list(given, capsys, tmp_path):
+    """``seeds=3``, ``seeds=0,1,2`` and YAML ``seeds: 3`` said "AnyNode is not a ListConfig"."""
+    if isinstance(given, str):
+        (tmp_path / "c.yaml").write_text(given)
+        given = [str(tmp_path / "c.yaml")]
+    assert main(["train", *given, f"run_dir={tmp_path / 'run'}"]) == 2
+    value = "0,1,2" if given == ["seeds=0,1,2"] else "3"
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"fedjax-rcl: error: seeds: {value}: must be a list such as seeds=[0,1,2]"]
+
+
+def test_a_setting_written_as_an_option_gets_a_hint(capsys):
+    with pytest.raises(SystemExit) as stop:
+        main(["train", "--rounds=10", "lr=0.1"])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == ("fedjax-rcl: error: unrecognized arguments: --rounds=10 (write settings "
+                       "as key=value: rounds=10)")
+
+
+def test_every_unknown_key_of_a_yaml_file_is_named_with_its_line_and_column(capsys, tmp_path):
+    """A file with two unknown keys reported only the first, and not where it was."""
+    path = tmp_path / "two.yaml"
+    path.write_text("rounds: 3\nroundz: 3\nfedrcl:\n  beta: 1.0\n  bta: 2\n")
+    assert main(["train", str(path), f"run_dir={tmp_path / 'run'}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 2, err
+    assert err[0].startswith(f"fedjax-rcl: error: roundz: unknown config key (did you mean "
+                             f"'rounds'?) (config file '{path}', line 2, column 1); allowed "
+                             "keys here: seed, seeds,")
+    assert err[1].startswith(f"fedjax-rcl: error: fedrcl.bta: unknown config key (did you mean "
+                             f"'fedrcl.beta'?) (config file '{path}', line 5, column 3); "
+                             "allowed keys here: temperature,")

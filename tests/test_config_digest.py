@@ -10,8 +10,11 @@ from fedjax_rcl.config import DIGEST_NEUTRAL_DEFAULTS, changed_keys, config_dige
 
 def test_digest_covers_the_sections_in_use_only():
     base = load_config(None, ["algorithm=fedrcl"])
-    assert config_digest(load_config(None, ["algorithm=fedrcl", "moon.mu=5"])) == \
-        config_digest(base)
+    # Another algorithm's section, set by a file (a run's config.yaml records every section; on
+    # the command line it is refused, as the algorithm does not read it).
+    other_section = load_config(None, ["algorithm=fedrcl"], defaults={"moon": {"mu": 5.0}})
+    assert other_section.moon.mu == 5.0
+    assert config_digest(other_section) == config_digest(base)
     assert config_digest(load_config(None, ["algorithm=fedrcl", "server.fedadam.tau=0.1"])) == \
         config_digest(base)
     assert config_digest(load_config(None, ["algorithm=fedrcl", "fedrcl.beta=2"])) != \
@@ -20,7 +23,7 @@ def test_digest_covers_the_sections_in_use_only():
     assert config_digest(load_config(None, ["server.optimizer=fedadam",
                                             "server.fedadam.tau=0.1"])) != config_digest(adam)
     assert config_digest(load_config(None, ["rounds=7"])) == config_digest(base)  # resume-safe
-    assert changed_keys(base, load_config(None, ["algorithm=fedrcl", "moon.mu=5"])) == []
+    assert changed_keys(base, other_section) == []
 
 
 @pytest.mark.parametrize("overrides,digest", [
@@ -68,3 +71,24 @@ def test_every_setting_left_out_of_the_digest_at_its_default_is_a_config_key_at_
 
     flat = flat_keys(to_dict(load_config(None, [], defaults=MFCL_DEFAULTS)))
     assert {k: flat[k] for k in DIGEST_NEUTRAL_DEFAULTS} == DIGEST_NEUTRAL_DEFAULTS
+
+
+def test_switching_algorithms_names_only_the_keys_the_user_changed(tmp_path):
+    """``resume RUN algorithm=fedavg`` of a FedRCL run named every fedrcl.* key as changed;
+    only ``algorithm`` (and what the user set anew) changed."""
+    from fedjax_rcl.config import ConfigError, to_yaml
+    from fedjax_rcl.loop import resume_config
+
+    fedrcl = load_config(None, ["algorithm=fedrcl"])
+    assert changed_keys(fedrcl, load_config(None, ["algorithm=fedavg"])) == ["algorithm"]
+    assert changed_keys(fedrcl, load_config(None, ["algorithm=moon", "moon.mu=3"])) == [
+        "algorithm", "moon.mu"]
+    assert changed_keys(fedrcl, load_config(None, ["algorithm=fedrcl", "fedrcl.beta=3"])) == [
+        "fedrcl.beta"]
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text(to_yaml(load_config(None, ["algorithm=fedrcl",
+                                                                f"run_dir={run}"])))
+    with pytest.raises(ConfigError) as err:
+        resume_config(run, ["algorithm=fedavg"])
+    assert str(err.value).startswith("resume: algorithm would change the run's results"), err

@@ -173,3 +173,37 @@ def test_model_fns_init_uses_the_chosen_threefry_layout(partitionable):
         other = jax.jit(lambda k, s: module.init(k, s, train=False))(key, sample)["params"]
     chex.assert_trees_all_equal(params, expected)
     assert not np.allclose(jax.tree.leaves(params)[0], jax.tree.leaves(other)[0])
+
+
+def _builtin_models():
+    from fedjax_rcl import registry
+
+    registry.load_builtins()
+    return [n for n, e in registry.MODELS.items() if e.build.__module__.startswith("fedjax_rcl.")]
+
+
+def _feature_maps(name: str, size: int):
+    """The shapes of every array the model returns for ``[2, size, size, 3]`` images (traced
+    only, nothing is run)."""
+    module = get_model(name, num_classes=10)
+    x = jax.ShapeDtypeStruct((2, size, size, 3), jnp.float32)
+    out = jax.eval_shape(
+        lambda x: module.init_with_output(jax.random.PRNGKey(0), x, train=False)[0], x)
+    return [leaf.shape for leaf in jax.tree_util.tree_leaves(out)]
+
+
+@pytest.mark.parametrize("name", _builtin_models())
+def test_each_model_states_the_smallest_input_it_takes(name):
+    """The stated minimum traces to non-empty outputs; one pixel less does not (a layer that
+    does not fit raises, or a pool leaves an empty map whose mean is NaN)."""
+    from fedjax_rcl import registry
+
+    smallest = registry.model(name).min_input_size
+    assert isinstance(smallest, int) and smallest >= 1
+    assert all(0 not in shape for shape in _feature_maps(name, smallest))
+    if smallest > 1:
+        try:
+            shapes = _feature_maps(name, smallest - 1)
+        except (ValueError, TypeError, ZeroDivisionError):
+            return
+        assert any(0 in shape for shape in shapes), shapes

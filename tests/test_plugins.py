@@ -215,6 +215,9 @@ def test_a_dataset_loaders_arrays_are_checked(tmp_path):
     np.testing.assert_allclose(ds.mean, mean, rtol=1e-12)
     for change, message in [({"train_images": np.zeros((4, 8, 8, 3), np.float32)}, "uint8"),
                             ({"test_labels": [1, 2]}, "integers in 0..1"),
+                            ({"train_labels": [0, 1, 7, 9]},
+                             r"train_labels\[2\] = 7 is out of range \(2 of 4 train labels"),
+                            ({"test_labels": [-1, 0]}, r"test_labels\[0\] = -1 is out of range"),
                             ({"train_labels": [0, 1]}, "2 train_labels for 4 train_images"),
                             ({"test_images": np.zeros((2, 9, 9, 3), np.uint8)}, "differ"),
                             ({"std": (1.0,)}, "one value per channel")]:
@@ -222,5 +225,53 @@ def test_a_dataset_loaders_arrays_are_checked(tmp_path):
             from_arrays("mine", {**good, **change})
     with pytest.raises(DataError, match="lacks class_names"):
         from_arrays("mine", {k: v for k, v in good.items() if k != "class_names"})
+    registry.load_builtins()  # (run alone, nothing has registered the built-ins yet)
     with pytest.raises(ValueError, match="already registered"):  # the built-in's name
         registry.register_dataset("cifar10", lambda: good)
+
+
+SMALL_DATA = '''
+import numpy as np
+from fedjax_rcl.registry import register_dataset
+
+def load():
+    rng = np.random.default_rng(0)
+    return {"train_images": rng.integers(0, 256, (40, 8, 8, 1)).astype(np.uint8),
+            "train_labels": np.arange(40) % 2, "class_names": ["a", "b"],
+            "test_images": rng.integers(0, 256, (10, 8, 8, 1)).astype(np.uint8),
+            "test_labels": np.arange(10) % 2}
+
+register_dataset("tiny8", load)
+'''
+
+
+def test_data_smaller_than_the_model_takes_is_one_line(tmp_path, monkeypatch, capsys):
+    """MOON's CNN takes 16x16 at least: 8x8 images, from a plugin or an image folder, are
+    refused with one line naming the model, its minimum and the data's size (exit 2), where
+    they used to end in a JAX traceback."""
+    import numpy as np
+    from PIL import Image
+
+    (tmp_path / "tiny_data.py").write_text(SMALL_DATA)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("FEDJAX_RCL_CACHE", str(tmp_path / "cache"))
+    folder = tmp_path / "folder"
+    for split in ("train", "test"):
+        for c in ("a", "b"):
+            (folder / split / c).mkdir(parents=True)
+            for i in range(3):
+                Image.fromarray(np.full((8, 8, 3), 40 * i, np.uint8)).save(
+                    folder / split / c / f"{i}.png")
+    common = ["num_clients=2", "participation=1", "rounds=1", "batch_size=2",
+              "--no-progress"]
+    for spec, extra in (("tiny8", ["plugins=tiny_data"]), (f"imagefolder:{folder}", [])):
+        assert main(["train", f"dataset={spec}", "model=cnn", *extra, *common,
+                     f"run_dir={tmp_path / 'run'}"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert err == [f"fedjax-rcl: error: model=cnn: takes images of at least 16x16; "
+                       f"dataset={spec} has 8x8 images (choose a model for images this small, "
+                       "or larger images)"], err
+    # A model that takes them trains on the same data.
+    assert main(["train", "dataset=tiny8", "plugins=tiny_data", "model=pfl_cnn", *common,
+                 f"run_dir={tmp_path / 'ok'}"]) == 0, capsys.readouterr().err

@@ -32,6 +32,36 @@ def _validate_sections(cfg: CoreConfig, p: list[str]) -> None:
             p.extend(f"{key}.{problem}" for problem in check(ctx))
 
 
+def algorithm_reads(algorithm: str) -> str:
+    """What an algorithm reads besides the shared settings, said for a refused key: its
+    section's keys, or that it has none."""
+    entry = registry.ALGORITHMS.get(algorithm)
+    if entry is None or entry.section is None or entry.config is None:
+        return "it reads no section of its own, only the shared settings"
+    keys = ", ".join(f"{entry.section}.{f.name}" for f in dataclasses.fields(entry.config))
+    return f"it reads: {keys}"
+
+
+def unread_settings(algorithm: str, keys) -> list[str]:
+    """One line per dotted key in an algorithm's section that ``algorithm`` does not read (the
+    section of another algorithm): a setting given for it, or a sweep of it, would change
+    nothing (``algorithm=fedavg 'fedrcl.beta=[0.5,2]'`` trained identical runs)."""
+    entry = registry.ALGORITHMS.get(algorithm)
+    own = entry.section if entry is not None else None
+    readers: dict[str, list[str]] = {}
+    for e in registry.ALGORITHMS.values():
+        if e.section:
+            readers.setdefault(e.section, []).append(e.name)
+    problems = []
+    for key in dict.fromkeys(keys):
+        section = key.split(".", 1)[0]
+        if section in readers and section != own and entry is not None:
+            who = ", ".join(f"algorithm={name}" for name in readers[section])
+            problems.append(f"{key}: algorithm {algorithm} does not read it "
+                            f"({algorithm_reads(algorithm)}; {section}.* is read by {who})")
+    return problems
+
+
 def degenerate_settings(cfg: CoreConfig) -> list[str]:
     """Valid settings that probably do not do what was meant, one line each (a warning at the
     start of a run, not an error): a participation that rounds to fewer clients than it says,
@@ -64,6 +94,11 @@ def _validate_sweep(cfg: CoreConfig, p: list[str]) -> None:
     if kind not in SWEEPABLE:
         p.append(f"sweep.key={key!r}: must name a float setting, such as fedrcl.beta, alpha or "
                  "lr" + ("" if kind is None else f" ({key} is {kind})"))
+        return
+    unread = unread_settings(cfg.algorithm, [key])
+    if unread:
+        p.append(f"sweep.key={key!r}: a sweep of a setting the algorithm does not read trains "
+                 f"identical runs; {unread[0]}")
         return
     if key in SHAPE_SETTINGS:
         p.append(f"sweep.key={key!r}: {key} {SHAPE_SETTINGS[key]}, the program's shapes; its "

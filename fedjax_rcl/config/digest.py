@@ -72,9 +72,16 @@ def _result_settings(cfg: CoreConfig) -> dict:
 
 def changed_keys(old: CoreConfig, new: CoreConfig) -> list[str]:
     """Dotted keys whose values differ and that would change results (see RESUME_SAFE_KEYS;
-    the sections of algorithms and server optimizers not in use change nothing)."""
+    the sections of algorithms and server optimizers not in use change nothing).
+
+    A key counts when it decides the results of either config and its value differs between
+    the two, so that switching algorithms names ``algorithm`` (and any key of the new
+    algorithm's section given a new value), not every key of the old algorithm's section."""
     a, b = _result_settings(old), _result_settings(new)
-    return sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))
+    every_a = flat_keys(dataclasses.asdict(old))
+    every_b = flat_keys(dataclasses.asdict(new))
+    return sorted(k for k in a.keys() | b.keys()
+                  if every_a.get(k, a.get(k)) != every_b.get(k, b.get(k)))
 
 
 def config_digest(cfg: CoreConfig) -> str:

@@ -13,7 +13,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
 from fedjax_rcl import registry
-from fedjax_rcl.config.checks import validate
+from fedjax_rcl.config.checks import unread_settings, validate
 from fedjax_rcl.config.schema import CoreConfig, field_type, schema, section_type
 from fedjax_rcl.config.sweeps import sweep_overrides
 from fedjax_rcl.validation import ConfigError
@@ -22,17 +22,34 @@ _TYPE_WORDS = {"Integer": "an integer", "Float": "a number", "Boolean": "true or
                "String": "a string"}
 
 
+# An example list for a list setting, by its element type (``seeds=[0,1,2]``).
+_LIST_EXAMPLES = {"int": "[0,1,2]", "float": "[0.5,1.0]", "str": "[a,b]"}
+
+
+def _unknown_key(key: str, section=None, where: str = "") -> str:
+    """The line for an unknown dotted key: a suggestion, where it is (a file's line and
+    column), and the keys allowed beside it."""
+    section = section or section_type(key) or schema()
+    prefix, _, last = key.rpartition(".")
+    names = [f.name for f in dataclasses.fields(section)]
+    close = difflib.get_close_matches(last, names, n=1)  # the key's own part, not its path
+    hint = f" (did you mean {(prefix + '.' if prefix else '') + close[0]!r}?)" if close else ""
+    return f"{key}: unknown config key{hint}{where}; allowed keys here: {', '.join(names)}"
+
+
 def _format_key_error(err: OmegaConfBaseException) -> str:
     key = getattr(err, "full_key", None) or "?"
     if isinstance(err, ConfigKeyError):
-        section = section_type(key) or schema()
-        prefix, _, last = key.rpartition(".")
-        names = [f.name for f in dataclasses.fields(section)]
-        close = difflib.get_close_matches(last, names, n=1)  # the key's own part, not its path
-        hint = f" (did you mean {(prefix + '.' if prefix else '') + close[0]!r}?)" if close else ""
-        return (f"{key}: unknown config key{hint}; allowed keys here: {', '.join(names)}")
+        return _unknown_key(key)
     if isinstance(err, ValidationError):
         msg = str(getattr(err, "msg", err)).splitlines()[0]
+        kind = field_type(key) or ""
+        if msg.startswith("Invalid value assigned") and "is not a ListConfig" in msg:
+            # ``seeds=3`` or ``seeds=0,1,2``: OmegaConf's "AnyNode is not a ListConfig".
+            inner = re.fullmatch(r"list\[(\w+)\]( \| None)?", kind)
+            example = _LIST_EXAMPLES.get(inner.group(1) if inner else "", "[...]")
+            return (f"{key}: {getattr(err, 'value', '?')}: must be a list such as "
+                    f"{key}={example}")
         # OmegaConf's "Value '1.5' of type 'float' could not be converted to Integer", said as
         # the other messages say it: the field, the value, what is allowed.
         m = re.fullmatch(r"Value '(.*)' of type '\w+' could not be converted to (\w+)", msg)
@@ -59,6 +76,37 @@ def _plugins_named(layers: list, overrides: list[str]) -> list:
             parsed = OmegaConf.from_dotlist([o]).get("plugins")
             plugins = list(parsed) if OmegaConf.is_list(parsed) else [parsed]
     return plugins
+
+
+def _unknown_file_keys(path: str) -> list[str]:
+    """Every key of a YAML file that the schema does not know, each with its line and column
+    (OmegaConf's merge stops at the first)."""
+    import yaml
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            root = yaml.compose(f)
+    except Exception:  # unreadable files were reported by OmegaConf.load already
+        return []
+    problems: list[str] = []
+
+    def walk(node, section, prefix: str) -> None:
+        if not isinstance(node, yaml.MappingNode):
+            return
+        fields = {f.name: f for f in dataclasses.fields(section)}
+        for k, v in node.value:
+            name = str(k.value)
+            field = fields.get(name)
+            if field is None:
+                mark = k.start_mark
+                where = (f" (config file {path!r}, line {mark.line + 1}, column "
+                         f"{mark.column + 1})")
+                problems.append(_unknown_key(prefix + name, section, where))
+            elif dataclasses.is_dataclass(field.default_factory):
+                walk(v, field.default_factory, f"{prefix}{name}.")
+
+    walk(root, schema(), "")
+    return problems
 
 
 def _yaml_problem(path: str, err: Exception) -> str:
@@ -131,8 +179,18 @@ def load_config(path: str | None = None, overrides: list[str] | tuple[str, ...] 
         plugin_problems = [f"plugins: {str(e).splitlines()[0]}"]
     if plugin_problems:
         raise ConfigError(plugin_problems)
+    unknown = _unknown_file_keys(path) if path is not None else []
+    if unknown:
+        raise ConfigError(unknown)
     base = OmegaConf.structured(schema())
+    given = [o.partition("=")[0].strip() for o in overrides]
     overrides = [_quote_string_value(o) for o in sweep_overrides(overrides)]
+    # Settings given on the command line that the chosen algorithm does not read are refused
+    # (a YAML file may set several algorithms' sections: a run's config.yaml records them all).
+    algorithm = _algorithm(base, layers, overrides)
+    unread = unread_settings(algorithm, given) if algorithm is not None else []
+    if unread:
+        raise ConfigError(unread)
     try:
         return _merged(base, layers, overrides)
     except ConfigError as first:
@@ -152,6 +210,15 @@ def load_config(path: str | None = None, overrides: list[str] | tuple[str, ...] 
         except ConfigError as e:
             problems.extend(p for p in e.problems if p not in problems)
         raise ConfigError(problems or first.problems) from None
+
+
+def _algorithm(base, layers: list, overrides: list[str]) -> str | None:
+    """The algorithm the layers and overrides choose (None if they do not merge: the merge
+    proper then says why)."""
+    try:
+        return str(OmegaConf.merge(base, *layers, OmegaConf.from_dotlist(overrides)).algorithm)
+    except OmegaConfBaseException:
+        return None
 
 
 def _merged(base, layers: list, overrides: list[str], *, check: bool = True) -> CoreConfig:

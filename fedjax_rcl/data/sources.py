@@ -141,11 +141,17 @@ def from_arrays(name: str, arrays: Mapping) -> ImageDataset:
             raise DataError(f"dataset {name!r}: {split}_images must be uint8 [N, H, W, C], got "
                             f"{images.dtype} {images.shape}")
         labels = np.asarray(arrays[f"{split}_labels"])
-        if labels.ndim != 1 or not np.issubdtype(labels.dtype, np.integer) or (
-                len(labels) and (labels.min() < 0 or labels.max() >= len(classes))):
+        if labels.ndim != 1 or not np.issubdtype(labels.dtype, np.integer):
             raise DataError(f"dataset {name!r}: {split}_labels must be integers in 0.."
                             f"{len(classes) - 1} (one per class name), got {labels.dtype} "
                             f"{labels.shape}")
+        outside = np.flatnonzero((labels < 0) | (labels >= len(classes)))
+        if len(outside):  # the first offending sample, so that the user can find it
+            i = int(outside[0])
+            raise DataError(f"dataset {name!r}: {split}_labels[{i}] = {int(labels[i])} is out of "
+                            f"range ({len(outside)} of {len(labels)} {split} labels are): labels "
+                            f"must be integers in 0..{len(classes) - 1}, one per class name "
+                            f"({len(classes)} given)")
         if len(labels) != len(images):
             raise DataError(f"dataset {name!r}: {len(labels)} {split}_labels for "
                             f"{len(images)} {split}_images")

@@ -52,6 +52,20 @@ def get_model(name: str, *, num_classes: int, conv_impl: str = "auto", norm: str
                        projection_dim=projection_dim, **extra)
 
 
+def input_size_problem(name: str, dataset: str, image_shape: tuple[int, ...]) -> str | None:
+    """The line that refuses images ``[H, W, C]`` smaller than the smallest input the
+    registered model ``name`` takes (``ModelEntry.min_input_size``), or None when they fit
+    or the model states no minimum: said before compiling, where the model's first layer
+    that does not fit would otherwise fail inside JAX."""
+    smallest = registry.model(name).min_input_size
+    height, width = image_shape[:2]
+    if smallest is None or min(height, width) >= smallest:
+        return None
+    return (f"model={name}: takes images of at least {smallest}x{smallest}; dataset={dataset} "
+            f"has {height}x{width} images (choose a model for images this small, or larger "
+            "images)")
+
+
 __all__ = [
     "BasicBlock",
     "Bottleneck",
@@ -68,6 +82,7 @@ __all__ = [
     "SqueezeNet",
     "VGG9",
     "get_model",
+    "input_size_problem",
     "model_fns",
     "resnet10",
     "resnet18",

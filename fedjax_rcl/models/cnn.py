@@ -65,4 +65,7 @@ def _build(num_classes, *, conv_impl="auto", norm="group", width=None, projectio
 
 # Levels: the two conv outputs and the two hidden dense outputs, pre-ReLU. Blocks (FedMLB):
 # conv1+pool, conv2+pool, fc1, fc2.
-register_model("cnn", _build, num_levels=4, norms=("group",), num_blocks=4)
+# Smallest input: two valid 5x5 convolutions, each followed by a 2x2 pool: H -> (H - 4) // 2
+# -> ((H - 4) // 2 - 4) // 2 >= 1 needs H >= 16 (at 14 and 15 the second pool is empty; below,
+# the second convolution does not fit).
+register_model("cnn", _build, num_levels=4, norms=("group",), num_blocks=4, min_input_size=16)

@@ -250,4 +250,7 @@ def build(num_classes, *, conv_impl="auto", norm="twin", width=None, projection_
                        tn_variance=tn_variance)
 
 
-register_model("mfcl_autoencoder", build, num_levels=1, norms=("twin", "group", "batch"))
+# Smallest input: the client module's 2x2 max-pool (its convolutions are padded): H >= 2 (and
+# even, which the module itself checks).
+register_model("mfcl_autoencoder", build, num_levels=1, norms=("twin", "group", "batch"),
+               min_input_size=2)

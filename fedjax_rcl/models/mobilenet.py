@@ -92,5 +92,7 @@ def _build(num_classes, *, conv_impl="auto", norm="group", width=None, projectio
                        projection_dim=projection_dim)
 
 
+# Smallest input: every convolution is padded (a stride-2 3x3 with padding 1 maps H to
+# (H + 1) // 2 >= 1), and there is no pool before the global mean: any H >= 1.
 register_model("mobilenet_v2", _build, num_levels=7, norms=("group", "batch", "twin"),
-               num_blocks=7)
+               num_blocks=7, min_input_size=1)

@@ -76,4 +76,5 @@ def _build(num_classes, *, conv_impl="auto", norm="group", width=None, projectio
     return PflCNN(num_classes, conv_impl=conv_impl, projection_dim=projection_dim)
 
 
-register_model("pfl_cnn", _build, num_levels=3, norms=("group",), num_blocks=3)
+# Smallest input: two valid 3x3 convolutions and a 2x2 pool: (H - 4) // 2 >= 1, H >= 6.
+register_model("pfl_cnn", _build, num_levels=3, norms=("group",), num_blocks=3, min_input_size=6)

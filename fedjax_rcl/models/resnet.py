@@ -167,5 +167,7 @@ for _name, _make in (("resnet10", resnet10), ("resnet18", resnet18), ("resnet34"
                      ("resnet50", resnet50)):
     # Levels: the stem's normalised output and each stage's output (FedRCL's five levels).
     # Blocks (FedMLB): the stem and the four stages, as the FedMLB authors cut ResNet-18.
+    # Smallest input: the CIFAR stem has no pool, and the stride-2 stages' 3x3 (padding 1)
+    # and 1x1 shortcut convolutions map H to (H + 1) // 2 >= 1: any H >= 1.
     register_model(_name, _builder(_make), num_levels=5, norms=("group", "batch", "twin"),
-                   width=True, num_blocks=5)
+                   width=True, num_blocks=5, min_input_size=1)

@@ -113,5 +113,7 @@ def _build(num_classes, *, conv_impl="auto", norm="group", width=None, projectio
     return ShuffleNet(num_classes, norm=norm, conv_impl=conv_impl, projection_dim=projection_dim)
 
 
+# Smallest input: the stride-2 depthwise convolutions and the shortcut's 3x3 average pool are
+# padded by 1 (H -> (H + 1) // 2 >= 1): any H >= 1.
 register_model("shufflenet", _build, num_levels=4, norms=("group", "batch", "twin"),
-               num_blocks=4)
+               num_blocks=4, min_input_size=1)

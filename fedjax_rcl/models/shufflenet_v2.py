@@ -103,5 +103,7 @@ def _build(num_classes, *, conv_impl="auto", norm="group", width=None, projectio
                         projection_dim=projection_dim)
 
 
+# Smallest input: the stride-2 depthwise convolutions are padded by 1 (H -> (H + 1) // 2 >= 1),
+# and there is no pool before the global mean: any H >= 1.
 register_model("shufflenet_v2", _build, num_levels=4, norms=("group", "batch", "twin"),
-               num_blocks=4)
+               num_blocks=4, min_input_size=1)

@@ -92,5 +92,7 @@ def _build(num_classes, *, conv_impl="auto", norm="group", width=None, projectio
     return SqueezeNet(num_classes, norm=norm, conv_impl=conv_impl, projection_dim=projection_dim)
 
 
+# Smallest input: three 2x2 max-pools (the stem's, after fire4 and after fire8); the padded
+# convolutions keep the size: H // 8 >= 1, H >= 8.
 register_model("squeezenet", _build, num_levels=8, norms=("group", "batch", "twin"),
-               num_blocks=8)
+               num_blocks=8, min_input_size=8)

@@ -82,4 +82,7 @@ def _build(num_classes, *, conv_impl="auto", norm="group", width=None, projectio
     return VGG9(num_classes, norm=norm, conv_impl=conv_impl, projection_dim=projection_dim)
 
 
-register_model("vgg9", _build, num_levels=6, norms=("group", "batch", "twin"), num_blocks=6)
+# Smallest input: three 2x2 pools, then the adaptive pool to 4x4 needs H // 8 >= 4 (and a
+# multiple of 4): H >= 32.
+register_model("vgg9", _build, num_levels=6, norms=("group", "batch", "twin"), num_blocks=6,
+               min_input_size=32)
