@@ -1,6 +1,7 @@
 """Shared fixtures: small synthetic datasets and configs that compile fast on CPU."""
 
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -8,9 +9,6 @@ import numpy as np
 import pytest
 
 from fedjax_rcl.data import ImageDataset
-
-# Tests never use the user's cache.
-os.environ.setdefault("FEDJAX_RCL_CACHE", tempfile.mkdtemp(prefix="fedjax-rcl-test-cache-"))
 
 
 def shared_dir() -> Path:
@@ -48,13 +46,51 @@ def toy_dataset(n_train=240, n_test=80, size=16, classes=4, seed=0) -> ImageData
 FAST_COMPILE_FLAGS = "--xla_backend_optimization_level=1 --xla_cpu_use_fusion_emitters=false"
 
 
+# Tests never use the user's cache: one fresh directory for the whole run, shared by every
+# xdist worker and every process the tests start ($FEDJAX_RCL_CACHE when it is set). It holds
+# the decoded datasets, the oneDNN extension (built once: its build takes a file lock) and
+# JAX's persistent compilation cache, so a program one worker compiled (a fixture's run, a
+# CLI call's round) is loaded, not compiled again, by the other worker and by subprocesses.
+_CACHE_KEY = "fedjax_rcl_cache"
+_made_cache: list[str] = []  # the directory this process made (removed when the run ends)
+
+
+def _run_cache(config) -> str:
+    workerinput = getattr(config, "workerinput", None)
+    if workerinput is not None and _CACHE_KEY in workerinput:  # an xdist worker
+        return workerinput[_CACHE_KEY]
+    if not os.environ.get("FEDJAX_RCL_CACHE"):  # the controller, or a run without xdist
+        _made_cache.append(tempfile.mkdtemp(prefix="fedjax-rcl-test-cache-"))
+        return _made_cache[0]
+    return os.environ["FEDJAX_RCL_CACHE"]
+
+
 def pytest_configure(config):
+    os.environ["FEDJAX_RCL_CACHE"] = _run_cache(config)
+    import jax
+
+    # Concurrent writers are safe: JAX writes an entry in place (not by a rename), zlib-
+    # compressed, so a reader that meets one half written (or two writers of one entry) gets
+    # a failed decompression, which JAX reports as a warning and answers by compiling.
+    jax.config.update("jax_compilation_cache_dir",
+                      str(Path(os.environ["FEDJAX_RCL_CACHE"]) / "jax"))
     # Read when XLA's CPU backend starts (the first device use), after this hook; subprocesses
     # that tests start inherit it.
     flags = os.environ.get("XLA_FLAGS", "")
     if (FAST_COMPILE_FLAGS not in flags
             and os.environ.get("FEDJAX_RCL_TEST_XLA_DEFAULTS") != "1"):
         os.environ["XLA_FLAGS"] = f"{flags} {FAST_COMPILE_FLAGS}".strip()
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node):
+    """xdist's controller: every worker uses the controller's cache directory."""
+    node.workerinput[_CACHE_KEY] = os.environ["FEDJAX_RCL_CACHE"]
+
+
+def pytest_unconfigure(config):
+    for path in _made_cache:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
