@@ -96,3 +96,76 @@ def pytest_unconfigure(config):
 @pytest.fixture(scope="session")
 def toy():
     return toy_dataset()
+
+
+def _plugin_modules(entries) -> set[str]:
+    """Top-level names of the user modules that registered ``entries`` (a plugin's entries name
+    it as their origin; a model's, which has none, is its builder's module), not the package's
+    own modules or the tests'."""
+    import sys
+
+    tests = Path(__file__).resolve().parent
+    out = set()
+    for e in entries:
+        build = getattr(e, "build", None) or getattr(e, "loader", None)
+        for name in (getattr(e, "origin", None), getattr(build, "__module__", None)):
+            top = (name or "fedjax_rcl").split(".")[0]
+            origin = getattr(sys.modules.get(top), "__file__", None)
+            if top != "fedjax_rcl" and not (origin and Path(origin).resolve().is_relative_to(
+                    tests)):
+                out.add(top)
+    return out
+
+
+def _builtin(entry) -> bool:
+    """Whether a fresh process has ``entry``: registered by the package itself."""
+    build = getattr(entry, "build", None) or getattr(entry, "loader", None)
+    return (getattr(entry, "origin", None) is None
+            and getattr(build, "__module__", "").startswith("fedjax_rcl."))
+
+
+@pytest.fixture
+def fresh_registry():
+    """Returns ``fresh()``, which puts this process in the state a freshly started
+    ``fedjax-rcl`` process has: only the built-in algorithms, models, server optimizers and
+    datasets registered, no plugin module imported (naming one imports and registers it
+    again) and ``sys.path`` as it was when the test started (``load_plugins`` appends the
+    directories it searched). Tests call it where they would otherwise start an interpreter
+    only to get that state; the registry, the plugin modules and ``sys.path`` are restored
+    when the test ends."""
+    import importlib
+    import sys
+
+    from fedjax_rcl import registry
+
+    registry.load_builtins()
+    tables = (registry.ALGORITHMS, registry.MODELS, registry.SERVER_OPTIMIZERS,
+              registry.DATASETS)
+    saved = [dict(t) for t in tables]
+    saved_path, saved_modules = list(sys.path), dict(sys.modules)
+    plugins = _plugin_modules(e for t in saved for e in t.values())
+
+    def fresh() -> None:
+        entries = [e for t in tables for e in t.values()]
+        forget = _plugin_modules(entries)
+        plugins.update(forget)
+        for name in [m for m in sys.modules if m.split(".")[0] in forget]:
+            del sys.modules[name]
+        for t in tables:
+            for name in [n for n, e in t.items() if not _builtin(e)]:
+                del t[name]
+        registry.version += 1  # the config schema is rebuilt from the remaining entries
+        sys.path[:] = saved_path
+        importlib.invalidate_caches()
+
+    yield fresh
+    plugins.update(_plugin_modules(e for t in tables for e in t.values()))
+    for name in [m for m in sys.modules if m.split(".")[0] in plugins]:
+        del sys.modules[name]
+    sys.modules.update({m: mod for m, mod in saved_modules.items()
+                        if m.split(".")[0] in plugins})
+    for t, entries in zip(tables, saved, strict=True):
+        t.clear()
+        t.update(entries)
+    registry.version += 1
+    sys.path[:] = saved_path
