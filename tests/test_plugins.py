@@ -27,10 +27,6 @@ def _readme_model_example() -> str:
     return _example("Your own model")
 
 
-def test_readme_example_is_short():
-    assert len(_readme_example().strip().splitlines()) < 40
-
-
 @pytest.fixture
 def user_dir(tmp_path, monkeypatch):
     (tmp_path / "my_algorithms.py").write_text(_readme_example())
@@ -96,7 +92,6 @@ def test_docs_server_optimizer_trains_resumes_and_evaluates(tmp_path, monkeypatc
     """The documented server optimizer (clipped FedAvg) from the command line: its section is
     checked, it trains, resumes in a fresh process and evaluates."""
     example = _example("Your own server optimizer")
-    assert len(example.strip().splitlines()) < 40
     (tmp_path / "my_server.py").write_text(example)
     monkeypatch.chdir(tmp_path)
     monkeypatch.syspath_prepend(str(tmp_path))
