@@ -1,6 +1,7 @@
 """Shared fixtures: small synthetic datasets and configs that compile fast on CPU."""
 
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -8,9 +9,6 @@ import numpy as np
 import pytest
 
 from fedjax_rcl.data import ImageDataset
-
-# Tests never use the user's cache.
-os.environ.setdefault("FEDJAX_RCL_CACHE", tempfile.mkdtemp(prefix="fedjax-rcl-test-cache-"))
 
 
 def shared_dir() -> Path:
@@ -48,7 +46,34 @@ def toy_dataset(n_train=240, n_test=80, size=16, classes=4, seed=0) -> ImageData
 FAST_COMPILE_FLAGS = "--xla_backend_optimization_level=1 --xla_cpu_use_fusion_emitters=false"
 
 
+# Tests never use the user's cache: one fresh directory for the whole run, shared by every
+# xdist worker and every process the tests start ($FEDJAX_RCL_CACHE when it is set). It holds
+# the decoded datasets, the oneDNN extension (built once: its build takes a file lock) and
+# JAX's persistent compilation cache, so a program one worker compiled (a fixture's run, a
+# CLI call's round) is loaded, not compiled again, by the other worker and by subprocesses.
+_CACHE_KEY = "fedjax_rcl_cache"
+_made_cache: list[str] = []  # the directory this process made (removed when the run ends)
+
+
+def _run_cache(config) -> str:
+    workerinput = getattr(config, "workerinput", None)
+    if workerinput is not None and _CACHE_KEY in workerinput:  # an xdist worker
+        return workerinput[_CACHE_KEY]
+    if not os.environ.get("FEDJAX_RCL_CACHE"):  # the controller, or a run without xdist
+        _made_cache.append(tempfile.mkdtemp(prefix="fedjax-rcl-test-cache-"))
+        return _made_cache[0]
+    return os.environ["FEDJAX_RCL_CACHE"]
+
+
 def pytest_configure(config):
+    os.environ["FEDJAX_RCL_CACHE"] = _run_cache(config)
+    import jax
+
+    # Concurrent writers are safe: JAX writes an entry in place (not by a rename), zlib-
+    # compressed, so a reader that meets one half written (or two writers of one entry) gets
+    # a failed decompression, which JAX reports as a warning and answers by compiling.
+    jax.config.update("jax_compilation_cache_dir",
+                      str(Path(os.environ["FEDJAX_RCL_CACHE"]) / "jax"))
     # Read when XLA's CPU backend starts (the first device use), after this hook; subprocesses
     # that tests start inherit it.
     flags = os.environ.get("XLA_FLAGS", "")
@@ -57,6 +82,90 @@ def pytest_configure(config):
         os.environ["XLA_FLAGS"] = f"{flags} {FAST_COMPILE_FLAGS}".strip()
 
 
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node):
+    """xdist's controller: every worker uses the controller's cache directory."""
+    node.workerinput[_CACHE_KEY] = os.environ["FEDJAX_RCL_CACHE"]
+
+
+def pytest_unconfigure(config):
+    for path in _made_cache:
+        shutil.rmtree(path, ignore_errors=True)
+
+
 @pytest.fixture(scope="session")
 def toy():
     return toy_dataset()
+
+
+def _plugin_modules(entries) -> set[str]:
+    """Top-level names of the user modules that registered ``entries`` (a plugin's entries name
+    it as their origin; a model's, which has none, is its builder's module), not the package's
+    own modules or the tests'."""
+    import sys
+
+    tests = Path(__file__).resolve().parent
+    out = set()
+    for e in entries:
+        build = getattr(e, "build", None) or getattr(e, "loader", None)
+        for name in (getattr(e, "origin", None), getattr(build, "__module__", None)):
+            top = (name or "fedjax_rcl").split(".")[0]
+            origin = getattr(sys.modules.get(top), "__file__", None)
+            if top != "fedjax_rcl" and not (origin and Path(origin).resolve().is_relative_to(
+                    tests)):
+                out.add(top)
+    return out
+
+
+def _builtin(entry) -> bool:
+    """Whether a fresh process has ``entry``: registered by the package itself."""
+    build = getattr(entry, "build", None) or getattr(entry, "loader", None)
+    return (getattr(entry, "origin", None) is None
+            and getattr(build, "__module__", "").startswith("fedjax_rcl."))
+
+
+@pytest.fixture
+def fresh_registry():
+    """Returns ``fresh()``, which puts this process in the state a freshly started
+    ``fedjax-rcl`` process has: only the built-in algorithms, models, server optimizers and
+    datasets registered, no plugin module imported (naming one imports and registers it
+    again) and ``sys.path`` as it was when the test started (``load_plugins`` appends the
+    directories it searched). Tests call it where they would otherwise start an interpreter
+    only to get that state; the registry, the plugin modules and ``sys.path`` are restored
+    when the test ends."""
+    import importlib
+    import sys
+
+    from fedjax_rcl import registry
+
+    registry.load_builtins()
+    tables = (registry.ALGORITHMS, registry.MODELS, registry.SERVER_OPTIMIZERS,
+              registry.DATASETS)
+    saved = [dict(t) for t in tables]
+    saved_path, saved_modules = list(sys.path), dict(sys.modules)
+    plugins = _plugin_modules(e for t in saved for e in t.values())
+
+    def fresh() -> None:
+        entries = [e for t in tables for e in t.values()]
+        forget = _plugin_modules(entries)
+        plugins.update(forget)
+        for name in [m for m in sys.modules if m.split(".")[0] in forget]:
+            del sys.modules[name]
+        for t in tables:
+            for name in [n for n, e in t.items() if not _builtin(e)]:
+                del t[name]
+        registry.version += 1  # the config schema is rebuilt from the remaining entries
+        sys.path[:] = saved_path
+        importlib.invalidate_caches()
+
+    yield fresh
+    plugins.update(_plugin_modules(e for t in tables for e in t.values()))
+    for name in [m for m in sys.modules if m.split(".")[0] in plugins]:
+        del sys.modules[name]
+    sys.modules.update({m: mod for m, mod in saved_modules.items()
+                        if m.split(".")[0] in plugins})
+    for t, entries in zip(tables, saved, strict=True):
+        t.clear()
+        t.update(entries)
+    registry.version += 1
+    sys.path[:] = saved_path

@@ -3,11 +3,11 @@ misspellings, where a YAML file is broken, plugins given loosely or run from els
 warnings for settings that probably do not do what was meant."""
 
 import json
-import subprocess
 import sys
 
 import pytest
 
+from fedjax_rcl import registry
 from fedjax_rcl.cli import main
 
 TINY = ["num_clients=4", "participation=0.5", "local_epochs=1", "partition=iid",
@@ -89,8 +89,10 @@ def test_a_missing_plugin_names_where_it_was_looked_for(tmp_path, monkeypatch, c
 
 
 @pytest.mark.slow
-def test_a_runs_plugins_are_found_from_another_directory(tmp_path, monkeypatch, capsys):
-    """resume and eval from elsewhere find the plugins where the run found them."""
+def test_a_runs_plugins_are_found_from_another_directory(tmp_path, monkeypatch, capsys,
+                                                         fresh_registry):
+    """resume and eval from elsewhere (each as a fresh process: the plugin unknown, its
+    directory not on sys.path) find the plugins where the run found them."""
     home = tmp_path / "project"
     home.mkdir()
     (home / "my_algo.py").write_text(
@@ -109,11 +111,13 @@ def test_a_runs_plugins_are_found_from_another_directory(tmp_path, monkeypatch, 
                  f"run_dir={run}", *TINY]) == 0, capsys.readouterr().err
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
     for cmd in (["resume", str(run), "rounds=2", "--no-progress"], ["eval", str(run)]):
-        proc = subprocess.run([sys.executable, "-m", "fedjax_rcl", *cmd], cwd=elsewhere,
-                              capture_output=True, text=True, timeout=600)
-        assert proc.returncode == 0, proc.stderr
-    assert json.loads(proc.stdout.strip().splitlines()[-1])["round"] == 2
+        fresh_registry()
+        assert str(home) not in sys.path and "my_algo" not in sys.modules
+        assert "my_ce" not in registry.ALGORITHMS
+        assert main(cmd) == 0, capsys.readouterr().err
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["round"] == 2
 
 
 def test_degenerate_settings_are_warned_about_at_the_start(tmp_path, capsys):

@@ -487,3 +487,78 @@ def test_reference_closed_forms():
     np.testing.assert_allclose(
         ref.numeric_grad(lambda v: float(np.sum(v**3)), x), 3 * x**2, rtol=1e-9
     )
+
+
+# ----------------------------------------------------------------------------------------------
+# Float32 under jit, the API's own edges. (Formerly a separate smoke file; its value checks
+# against per-anchor loops are the reference comparisons above.)
+
+F32_CASES = ("collapsed-B5", "single-class-B5", "identical-rows", "all-zero-B5",
+             "no-classmate-B5", "B3-one-odd-sample", "zero-row-B1", "random-B5-C8-4d",
+             "random-B2-C3-one-class")
+F32_SETTINGS = tuple((t, mining) for t in (0.5, 0.05) for mining in ("hard", "none"))
+
+
+@functools.cache
+def _f32_runner(impl):
+    def run(x, y):
+        return [jax.value_and_grad(lambda v, t=t, m=m: impl.rcl_loss(v, y, temperature=t,
+                                                                     mining=m))(x)
+                for t, m in F32_SETTINGS]
+
+    return jax.jit(run)  # one compilation per feature shape
+
+
+@pytest.mark.parametrize("name", F32_CASES)
+def test_float32_compiled_values_and_gradients_are_finite(impl, name):
+    """In float32 (how clients train) under jit, at temperature 0.5 and the paper's 0.05, both
+    minings: finite value and gradient on collapsed, zero, single-class and one-sample inputs."""
+    case = CASES_BY_NAME[name]
+    x = jnp.asarray(case.diff[0], jnp.float32)
+    for (t, mining), (value, grad) in zip(F32_SETTINGS, _f32_runner(impl)(x, case.aux[0]),
+                                          strict=True):
+        assert value.dtype == grad.dtype == jnp.float32
+        assert np.isfinite(float(value)) and np.all(np.isfinite(np.asarray(grad))), \
+            (name, t, mining)
+
+
+def test_exact_zeros_terms_and_argument_checks(impl):
+    """SupCon is exactly 0 where no anchor has a classmate (paper mining), for one class under
+    hard mining and for one sample; ``rcl_loss_terms`` returns (SupCon, penalty) with the
+    collapsed closed form; misspelled options and an unknown mining are refused."""
+    for name, mining in (("no-classmate-B5", "none"), ("single-class-B5", "hard"),
+                         ("B1", "hard")):
+        x, y = CASES_BY_NAME[name].diff[0], CASES_BY_NAME[name].aux[0]
+        assert float(impl.supcon_loss(x, y, temperature=0.1, mining=mining)) == 0.0, name
+    # Six identical rows, labels [0, 0, 0, 1, 1, 2]: five anchors have a classmate at s = 1
+    # (gate open, q = s_ii = 1: softplus(0) = log 2), the sixth none (softplus(-2/t)).
+    x, y = np.tile(IDENTICAL[:1], (6, 1)), np.array([0, 0, 0, 1, 1, 2], np.int32)
+    scl, pen = impl.rcl_loss_terms(x, y, temperature=0.05)
+    np.testing.assert_allclose(float(pen), (5 * math.log(2) + math.log1p(math.exp(-40))) / 6,
+                               rtol=1e-12)
+    _assert_value(scl, ref.supcon_loss(x, y, temperature=0.05), "rcl_loss_terms scl")
+    _assert_value(pen, ref.rcl_penalty(x, y, temperature=0.05, threshold=0.7), "penalty")
+    with pytest.raises(TypeError):
+        impl.multilevel_rcl_loss([x], y, temprature=0.1)  # misspelled option
+    with pytest.raises(ValueError, match="mining"):
+        impl.supcon_loss(jnp.zeros((2, 3)), jnp.zeros(2, int), temperature=1.0, mining="x")
+
+
+def test_multilevel_rcl_loss_vmap(impl):
+    """jit(vmap) over a leading axis of (levels of NHWC features, labels) equals the per-slice
+    reference."""
+    rng = _rng("multilevel-vmap")
+    levels = [rng.normal(size=(3, 6, 4, 4, c)) for c in (2, 5, 7)]
+    y = rng.integers(0, 3, size=(3, 6)).astype(np.int32)
+    fn = jax.jit(jax.vmap(lambda fs, y: impl.multilevel_rcl_loss(fs, y, temperature=0.1)))
+    got = fn([jnp.asarray(lv) for lv in levels], jnp.asarray(y))
+    for c in range(3):
+        want = ref.multilevel_rcl_loss([lv[c] for lv in levels], y[c], temperature=0.1)
+        _assert_value(got[c], want, f"slice {c}")
+
+
+def test_moon_and_nt_xent_gradients_at_zero_are_finite(impl):
+    zero = jnp.zeros((2, 6))
+    grad = jax.grad(lambda z: impl.moon_loss(z, zero + 1, zero)
+                    + impl.nt_xent_loss(z, zero, temperature=0.1))(zero)
+    assert np.all(np.isfinite(np.asarray(grad)))

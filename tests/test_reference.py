@@ -1,31 +1,26 @@
 """The configuration reference: every key described, and docs/configuration.md current."""
 
 import dataclasses
-import subprocess
-import sys
 from pathlib import Path
 
+from fedjax_rcl import reference
 from fedjax_rcl.reference import attribute_docs
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "configuration.md"
 
 
-def _fresh(code: str) -> str:
-    """Runs ``code`` in a fresh process: only the built-in entries are registered there (tests
-    in this process may have registered plugins)."""
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=300, check=True)
-    return proc.stdout
+# Each test starts from a fresh process's registry (only the built-in entries: tests in this
+# process may have registered plugins).
 
 
-def test_every_key_has_a_description():
-    missing = _fresh("from fedjax_rcl import reference\n"
-                     "print('\\n'.join(k.key for k in reference.keys() if not k.doc))")
-    assert missing.split() == []
+def test_every_key_has_a_description(fresh_registry):
+    fresh_registry()
+    assert [k.key for k in reference.keys() if not k.doc] == []
 
 
-def test_docs_configuration_md_is_the_generated_reference():
-    generated = _fresh("from fedjax_rcl import reference\nprint(reference.markdown(), end='')")
+def test_docs_configuration_md_is_the_generated_reference(fresh_registry):
+    fresh_registry()
+    generated = reference.markdown()
     assert DOCS.read_text() == generated, (
         "docs/configuration.md is stale: python -m fedjax_rcl.reference > "
         "docs/configuration.md")

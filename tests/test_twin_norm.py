@@ -229,3 +229,35 @@ def test_unknown_variance_raises(impl):
         impl.twin_norm(jnp.ones((2, 2, 2, 4)), group_size=2, variance="joint")
     with pytest.raises(ValueError, match="variance='joint'"):
         impl.TwinNorm(group_size=2, variance="joint")
+
+
+@pytest.mark.parametrize("group_size", [1, 2, 6])
+def test_twin_norm_module_applies_its_affine_in_float32(group_size):
+    """The Flax ``TwinNorm``: a scale and bias per channel applied to the normalised views, in
+    float32 as models run it."""
+    from fedjax_rcl.nn.twin_norm import TwinNorm
+
+    x = _rng(f"module-{group_size}").normal(size=(6, 3, 2, 6)) * 3 + 1
+    module = TwinNorm(group_size=group_size)
+    params = module.init(jax.random.key(0), jnp.zeros((2, 3, 2, 6), jnp.float32))
+    assert params["params"]["scale"].shape == params["params"]["bias"].shape == (6,)
+    params = jax.tree.map(lambda p: p + 0.5, params)  # scale 1.5, bias 0.5
+    got = module.apply(params, jnp.asarray(x, jnp.float32))
+    assert got.dtype == jnp.float32
+    want = ref.twin_norm(x, group_size=group_size) * 1.5 + 0.5
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-5)
+
+
+def test_twin_norm_module_arguments():
+    from fedjax_rcl.nn.twin_norm import TwinNorm, twin_norm
+
+    with pytest.raises(ValueError, match="group_size"):
+        TwinNorm(group_size=0)
+    with pytest.raises(ValueError, match="exactly one"):
+        TwinNorm()
+    with pytest.raises(ValueError, match="divide"):
+        twin_norm(jnp.zeros((2, 2, 2, 4)), group_size=3)
+    x = jnp.arange(2 * 2 * 2 * 6, dtype=jnp.float32).reshape(2, 2, 2, 6)
+    by_groups = TwinNorm(num_groups=2)  # 6 channels in 2 groups: groups of 3
+    np.testing.assert_array_equal(
+        by_groups.apply(by_groups.init(jax.random.key(0), x), x), twin_norm(x, group_size=3))

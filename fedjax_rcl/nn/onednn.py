@@ -13,12 +13,13 @@ The build needs a C++17 compiler (``$CXX`` or ``g++``), jaxlib's FFI headers and
 ``onednn-devel-cpu-gomp`` wheel (a dependency on x86-64 Linux). When any of them is missing,
 ``available()`` is False, ``unavailable_reason()`` says why, and ``conv_impl=auto`` uses the
 patch convolution instead. The compiled library is cached in ``$FEDJAX_RCL_CACHE/ext`` (or
-``~/.cache/fedjax_rcl/ext``) under a hash of everything that shapes it, written atomically so
-concurrent processes may build it at once.
+``~/.cache/fedjax_rcl/ext``) under a hash of everything that shapes it; concurrent processes
+build it once (a file lock) and never load it half written (an atomic rename).
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
@@ -96,6 +97,27 @@ def _build(inputs: dict) -> Path:
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
+    with _build_lock(out):  # concurrent processes: one compiles, the others wait and load it
+        if not out.exists():
+            _compile(inputs, out)
+    return out
+
+
+@contextlib.contextmanager
+def _build_lock(out: Path):
+    """An exclusive ``flock`` on ``out``'s lock file (none where ``fcntl`` is missing: the
+    atomic rename alone keeps concurrent builds harmless there)."""
+    try:
+        import fcntl
+    except ImportError:
+        yield
+        return
+    with open(out.with_suffix(".lock"), "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)  # released when the file is closed
+        yield
+
+
+def _compile(inputs: dict, out: Path) -> None:
     libdir = inputs["libdnnl"].parent
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         tmp_out = Path(tmp) / out.name
@@ -108,8 +130,7 @@ def _build(inputs: dict) -> Path:
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
             raise OneDnnUnavailable(f"building {SOURCE.name} failed:\n{proc.stderr[-2000:]}")
-        os.replace(tmp_out, out)  # atomic: a concurrent build of the same file is harmless
-    return out
+        os.replace(tmp_out, out)  # atomic: a reader never sees a half-written library
 
 
 @functools.lru_cache(maxsize=1)
