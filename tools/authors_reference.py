@@ -162,28 +162,21 @@ def _adapters(data_dir: Path, width: int):
 def _environment() -> dict:
     import torch
 
-    flags = ""
+    info: dict[str, str] = {}
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                flags = line
-                break
+            key, _, value = line.partition(":")
+            key = key.strip()
+            if key in ("model name", "cpu family", "model", "flags") and key not in info:
+                info[key] = value.strip()
     except OSError:
         pass
-    model = ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("model name", "model\t")):
-                model += line.split(":", 1)[1].strip() + " "
-            if line.startswith("cpu family"):
-                model += "family " + line.split(":", 1)[1].strip() + " "
-            if line.startswith("flags"):
-                break
-    except OSError:
-        pass
-    feats = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_tile") if f" {f}" in flags]
+    flags = set(info.get("flags", "").split())
+    feats = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_tile") if f in flags]
+    cpu = f"{info.get('model name', '?')} (family {info.get('cpu family', '?')}, model " \
+          f"{info.get('model', '?')})"
     return {"time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "host": platform.node(), "cpu": model.strip(), "cpu_features": feats,
+            "host": platform.node(), "cpu": cpu, "cpu_features": feats,
             "cores": os.cpu_count(), "python": platform.python_version(),
             "torch": torch.__version__, "torch_threads": torch.get_num_threads()}
 
