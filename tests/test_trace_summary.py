@@ -1,4 +1,4 @@
-"""tools/trace_summary.py: operations are put in the right category from the optimised HLO,
+"""fedjax_rcl.engine.trace_summary: operations are put in the right category from the optimised HLO,
 and a trace's time is split into category shares and idle time by its intervals."""
 
 import gzip

@@ -14,7 +14,7 @@
 # and, with OUT set, puts in $OUT: runs.tar.gz (every run without checkpoints), table.md,
 # machine.txt and table2_gpu.log.
 #
-# Device tool, prepared here once (as tools/device_paper_resnet18.sh; both folders ignored via
+# Device tool, prepared here once (as experiments/paper_resnet18_gpu/device_paper_resnet18.sh; both folders ignored via
 # .git/info/exclude):
 #   unzip -q "${CIFAR10_JPEG_ZIP:-data/cifar10-jpeg.zip}" -d /tmp/c10
 #   tar cf - -C /tmp/c10 --sort=name train test | xz -9e > .devdata/cifar10.tar.xz

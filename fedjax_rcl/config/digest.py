@@ -30,7 +30,7 @@ DIGEST_NEUTRAL_DEFAULTS = {"mfcl.bn_statistics": "running", "init_threefry_parti
                            "mfcl.probe_l2_grid": [1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 1e-1, 1.0, 10.0],
                            "mfcl.probe_holdout": 0.1, "mfcl.probe_max_iter": 1000,
                            "mfcl.probe_tol": 1e-5, "mfcl.probe_controls": True,
-                           "mfcl.tn_variance": "pooled"}
+                           "mfcl.tn_variance": "pooled", "mfcl.probe_projection": False}
 
 
 def flat_keys(d: dict, prefix: str = "") -> dict:
