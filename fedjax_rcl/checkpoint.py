@@ -24,6 +24,9 @@ import orbax.checkpoint as ocp
 
 _log = logging.getLogger(__name__)
 
+# The suffix of the temporary directory Orbax writes a checkpoint into before its commit.
+TMP_SUFFIX = ".orbax-checkpoint-tmp"
+
 
 @dataclasses.dataclass
 class Restored:
@@ -199,6 +202,15 @@ class Checkpointer:
                 continue
             return Restored(state=state, meta=meta, step=step, skipped=skipped)
         return None
+
+    def uncommit(self, step: int) -> None:
+        """For the kill tests only: waits for checkpoint ``step`` and renames it back to an
+        uncommitted temporary directory, the state a save killed just before its commit
+        leaves (``steps`` and ``restore_latest`` then skip it, as they skip a torn save)."""
+        self._manager.wait_until_finished()
+        src = self.directory / str(step)
+        src.rename(self.directory / f"{step}{TMP_SUFFIX}-{int(time.time())}")
+        self._manager.reload()
 
     def set_aside(self, steps) -> list[Path]:
         """Moves the given checkpoints out of the way (to ``<directory>-damaged/``) without

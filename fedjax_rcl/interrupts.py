@@ -157,19 +157,35 @@ def _test_plan() -> dict | None:
 _plan: list = []
 
 
-def test_point(phase: str, first: int | None = None, last: int | None = None) -> None:
-    """A named moment of the run (rounds ``first..last``): with ``FEDJAX_RCL_TEST_SIGNAL``
-    naming it, the process sends itself the signal there (once per process) and goes on once
-    the watcher has acted on it."""
+def _due(phase: str, first: int | None, last: int | None) -> dict | None:
+    """The test plan if it names this moment and has not fired yet, else None."""
     if not _plan:
         _plan.append(_test_plan())
     plan = _plan[0]
     if plan is None or plan.get("fired") or plan["phase"] != phase:
-        return
+        return None
     if "round" in plan and first is not None:
         wanted = int(plan["round"])
         if not first <= wanted <= (first if last is None else last):
-            return
+            return None
+    return plan
+
+
+def test_kill_due(phase: str, first: int | None = None, last: int | None = None) -> bool:
+    """Whether ``test_point`` is about to SIGKILL the process at this moment (a test asked
+    for it): a save can then leave the on-disk state of a save killed in flight for certain,
+    instead of racing its background commit."""
+    plan = _due(phase, first, last)
+    return plan is not None and plan["signal"] == "KILL"
+
+
+def test_point(phase: str, first: int | None = None, last: int | None = None) -> None:
+    """A named moment of the run (rounds ``first..last``): with ``FEDJAX_RCL_TEST_SIGNAL``
+    naming it, the process sends itself the signal there (once per process) and goes on once
+    the watcher has acted on it."""
+    plan = _due(phase, first, last)
+    if plan is None:
+        return
     plan["fired"] = True
     signum = getattr(signal, "SIG" + plan["signal"])
     for _ in range(int(plan.get("times", 1))):

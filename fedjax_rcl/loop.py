@@ -127,6 +127,11 @@ def save_checkpoint(ckpt: Checkpointer, run_dir: Path, step: int, tree, meta: di
     waits for it) can name it, ``where`` (``"round 10"``), as the last complete one."""
     with interrupts.critical():
         ckpt.save(step, tree, meta)
+        if interrupts.test_kill_due("saving", step):
+            # A test kills the process "during this save": leave exactly the on-disk state of
+            # a save killed before its commit (Orbax's temporary directory), not a race with
+            # the background commit.
+            ckpt.uncommit(step)
         interrupts.test_point("saving", step)
         ckpt.wait()
     interrupts.resume_status(run_dir, where)
