@@ -37,6 +37,7 @@ def test_the_documented_example_runs_and_runs_again(tmp_path, monkeypatch, capsy
             f"python: fedjax_rcl.resume('{run.relative_to(tmp_path)}', 'rounds=40')"]
 
 
+@pytest.mark.slow  # an end-to-end run and its resume (CI's second step)
 def test_a_callback_stops_the_run_cleanly_and_resume_gives_the_uninterrupted_result(tmp_path):
     whole = fedjax_rcl.train(None, *TINY, "rounds=4", f"run_dir={tmp_path / 'whole'}")
     assert [r["round"] for r in whole.metrics] == [1, 2, 3, 4] and not whole.stopped_early

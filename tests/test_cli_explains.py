@@ -133,6 +133,7 @@ def test_degenerate_settings_are_warned_about_at_the_start(tmp_path, capsys):
     assert [json.loads(r)["round"] for r in rows] == [2]
 
 
+@pytest.mark.slow  # an end-to-end run and its resume (CI's second step)
 def test_switching_the_analysis_off_on_resume_plots_fine(tmp_path, capsys):
     """The README lets analysis be switched on or off on resume: the plot at the end reads
     the loss terms from every line (it crashed reading them from the first)."""

@@ -125,10 +125,18 @@ def test_fused_rounds_equal_single_rounds(toy):
     one = jax.jit(exp.run_round)
     state, losses = exp.state, []
     for _ in range(3):
-        state, m = one(state, exp.data)
+        before, (state, m) = state, one(state, exp.data)
         losses.append(float(m["loss"]))
     np.testing.assert_allclose(np.asarray(metrics["loss"]), losses, rtol=1e-5)
-    chex.assert_trees_all_close(fused.params, state.params, rtol=1e-5, atol=1e-6)
+    # Two programs compiled apart may associate their float sums differently (1e-8 on the
+    # weights after one round), and a ReLU input that sits at 0 can turn that into 1e-5 on a
+    # few weights a round later (seen at XLA:CPU's optimisation level 0). A round of training
+    # moves the weights by far more than the tolerance, so a fused program that skipped,
+    # repeated or mis-keyed a round could not pass.
+    chex.assert_trees_all_close(fused.params, state.params, rtol=1e-4, atol=1e-4)
+    moved = max(float(jnp.max(jnp.abs(a - b)))
+                for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(before.params)))
+    assert moved > 1e-2, moved
 
 
 def test_sampling_depends_only_on_seed_round_client():

@@ -6,6 +6,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from fedjax_rcl.config import load_config
 from fedjax_rcl.data.sources import spec_only
@@ -31,6 +32,7 @@ def _train_step_flops(model, x) -> float:
     return float((cost[0] if isinstance(cost, list) else cost)["flops"])
 
 
+@pytest.mark.slow  # compiles the demo's two models at full size (CI's second step)
 def test_the_default_mfcl_run_is_a_demo_within_the_budget():
     cfg = load_config(None, [], defaults=MFCL_DEFAULTS)
     ds = mfcl_dataset(cfg)

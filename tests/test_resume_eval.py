@@ -67,6 +67,7 @@ def _damage_arrays(checkpoint: Path) -> None:
             f.truncate(p.stat().st_size // 3)
 
 
+@pytest.mark.slow  # two command-line processes (CI's second step)
 def test_eval_of_a_damaged_newest_checkpoint_is_one_warning_recorded_in_the_json(finished,
                                                                                tmp_path):
     """The command line itself (a subprocess: Orbax's failed reads report on their own threads

@@ -48,6 +48,7 @@ def _rewind_to_round_2(run):
     shutil.rmtree(run / "checkpoints" / "4")
 
 
+@pytest.mark.slow  # an end-to-end run and its resume (CI's second step)
 def test_tensorboard_mirrors_metrics_across_a_rewinding_resume(tmp_path):
     run = tmp_path / "run"
     assert main(["train", "rounds=4", f"run_dir={run}", "tracking.tensorboard=true",
@@ -86,6 +87,7 @@ class _FakeWandb:
         return Run()
 
 
+@pytest.mark.slow  # an end-to-end run and its resume (CI's second step)
 def test_wandb_continues_the_same_run_and_never_repeats_a_round(tmp_path, monkeypatch):
     fake = _FakeWandb()
     monkeypatch.setitem(sys.modules, "wandb", fake.module)
