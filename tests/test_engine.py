@@ -135,7 +135,8 @@ def test_fused_rounds_equal_single_rounds(toy):
     # repeated or mis-keyed a round could not pass.
     chex.assert_trees_all_close(fused.params, state.params, rtol=1e-4, atol=1e-4)
     moved = max(float(jnp.max(jnp.abs(a - b)))
-                for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(before.params)))
+                for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(before.params),
+                               strict=True))
     assert moved > 1e-2, moved
 
 
