@@ -1,0 +1,73 @@
+"""Where one compiled round's time goes, by kernel category (convolutions, matrix products,
+element-wise fusions, copies) and by operation: the round ``tools/bench_round.py`` times, run
+once under the JAX profiler and summarised by ``fedjax_rcl.engine.trace_summary``.
+
+    python tools/profile_round.py                       # FedRCL, ResNet-18, 5 clients
+    python tools/profile_round.py --model cnn --clients 10 --json out.json
+
+Synthetic CIFAR-shaped images (speed only); ``--clients`` of 100 take part, each with 100
+samples, one local epoch of batch 50 (ResNet-18's CPU setting in ``bench_round.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+
+import jax
+import numpy as np
+
+from fedjax_rcl.config import Config
+from fedjax_rcl.data import ImageDataset
+from fedjax_rcl.engine import trace_summary
+from fedjax_rcl.experiment import build
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="resnet18")
+    p.add_argument("--algorithm", default="fedrcl")
+    p.add_argument("--norm", default="group")
+    p.add_argument("--clients", type=int, default=5)
+    p.add_argument("--clients-in-parallel", type=int, default=1,
+                   help="the round's client layout (0: the cost model's choice)")
+    p.add_argument("--top", type=int, default=15, help="operations listed")
+    p.add_argument("--json", help="write the whole summary here")
+    args = p.parse_args()
+
+    n = 100 * 100
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, 256, (n, 32, 32, 3), dtype=np.uint8)
+    y = (np.arange(n) % 10).astype(np.int32)
+    data = ImageDataset("fake-cifar", x, y, x[:2000], y[:2000], tuple(map(str, range(10))),
+                        (0.49, 0.48, 0.45), (0.2, 0.2, 0.2), True)
+    cfg = Config(dataset="fake", model=args.model, algorithm=args.algorithm, norm=args.norm,
+                 num_clients=100, participation=args.clients / 100, partition="iid",
+                 local_epochs=1, batch_size=50, clients_in_parallel=args.clients_in_parallel)
+    exp = build(cfg, data)
+    compiled = jax.jit(exp.run_round).lower(exp.state, exp.data).compile()
+    jax.block_until_ready(compiled(exp.state, exp.data))  # warm-up: kernels picked, memory held
+    with tempfile.TemporaryDirectory() as log_dir:
+        summary = trace_summary.profile(
+            lambda: jax.block_until_ready(compiled(exp.state, exp.data)), compiled.as_text(),
+            log_dir, top=max(args.top, 400))
+    shares = summary["shares"]
+    print(f"{args.algorithm}, {args.model} ({args.norm} norm), {args.clients} clients: "
+          f"{summary['wall_s']:.3f} s")
+    for k, v in summary["seconds"].items():
+        print(f"  {k:12s} {v:8.3f} s  {100 * shares[k]:5.1f} %  "
+              f"({summary['counts'][k]} operations run)")
+    print(f"  idle share of the span: {100 * summary['idle_share_of_span']:.1f} %")
+    others = [o for o in summary["top_ops"] if o["category"] not in ("convolution", "matmul")]
+    print("costliest operations other than convolutions and matrix products:")
+    for o in others[:args.top]:
+        print(f"  {o['op']:40s} {o['category']:12s} {o['s']:.4f} s over {o['count']} runs")
+    if args.json:
+        summary.pop("trace", None)
+        with open(args.json, "w") as f:
+            json.dump({"config": vars(args), **summary}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
