@@ -16,10 +16,9 @@ import json
 import tempfile
 
 import jax
-import numpy as np
+from bench_round import fake_cifar  # this folder: the benchmark's synthetic images
 
 from fedjax_rcl.config import Config
-from fedjax_rcl.data import ImageDataset
 from fedjax_rcl.engine import trace_summary
 from fedjax_rcl.experiment import build
 
@@ -36,16 +35,10 @@ def main() -> None:
     p.add_argument("--json", help="write the whole summary here")
     args = p.parse_args()
 
-    n = 100 * 100
-    rng = np.random.default_rng(0)
-    x = rng.integers(0, 256, (n, 32, 32, 3), dtype=np.uint8)
-    y = (np.arange(n) % 10).astype(np.int32)
-    data = ImageDataset("fake-cifar", x, y, x[:2000], y[:2000], tuple(map(str, range(10))),
-                        (0.49, 0.48, 0.45), (0.2, 0.2, 0.2), True)
     cfg = Config(dataset="fake", model=args.model, algorithm=args.algorithm, norm=args.norm,
                  num_clients=100, participation=args.clients / 100, partition="iid",
                  local_epochs=1, batch_size=50, clients_in_parallel=args.clients_in_parallel)
-    exp = build(cfg, data)
+    exp = build(cfg, fake_cifar(100 * 100))
     compiled = jax.jit(exp.run_round).lower(exp.state, exp.data).compile()
     jax.block_until_ready(compiled(exp.state, exp.data))  # warm-up: kernels picked, memory held
     with tempfile.TemporaryDirectory() as log_dir:
