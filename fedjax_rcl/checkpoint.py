@@ -47,14 +47,19 @@ class _QuietFailedReads(logging.Filter):
     the gather raises at once and the loop closes while the other reads are still in flight;
     as each finishes, its callback finds the loop closed and reports "RuntimeError: Event loop
     is closed" as an unraisable exception, and asyncio logs each failed task as "never
-    retrieved". The restore has already failed and ``restore_latest`` reports the damaged
-    checkpoint once, so these repeats (a traceback per array) carry nothing; they are dropped,
-    and every other unraisable exception and log record passes through unchanged."""
+    retrieved" — "Task exception ..." naming the ``async_deserialize`` coroutine, or "Future
+    exception ..." (no coroutine named) holding tensorstore's read error. The restore has
+    already failed and ``restore_latest`` reports the damaged checkpoint once, so these repeats
+    (a traceback per array) carry nothing; they are dropped, and every other unraisable
+    exception and log record passes through unchanged."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return not (record.name == "asyncio"
-                    and "never retrieved" in str(record.msg)
-                    and "async_deserialize" in record.getMessage())
+        if record.name != "asyncio" or "exception was never retrieved" not in str(record.msg):
+            return True
+        exc = record.exc_info[1] if record.exc_info else None
+        failed_read = "async_deserialize" in record.getMessage() or (
+            exc is not None and "tensorstore_spec" in str(exc))
+        return not failed_read
 
 
 _quiet_installed = [False]

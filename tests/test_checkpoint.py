@@ -141,3 +141,69 @@ def test_host_memory_client_states_match_device_and_resume_exactly(tmp_path):
     resume(cut, ["rounds=4"], **quiet)
     assert _metrics(cut) == _metrics(host)
     _assert_same_state(_final_state(cut), host_state)
+
+
+@pytest.mark.parametrize("kind", ["future", "task"])
+def test_failed_reads_left_behind_are_dropped_and_nothing_else(kind):
+    """What a failed restore leaves on asyncio's logger — a "Future" or a "Task exception was
+    never retrieved" holding tensorstore's read error, logged by asyncio itself when the
+    object is collected — is dropped once a restore has run; the same report of any other
+    error passes through."""
+    import asyncio
+    import gc
+
+    from fedjax_rcl.checkpoint import _quiet_failed_reads
+
+    read_error = ValueError('OUT_OF_RANGE: Error reading "x/.zarray" [tensorstore_spec=\'{}\']')
+    other_error = ValueError("something else went wrong")
+
+    async def async_deserialize(e):  # the name of Orbax's coroutine
+        raise e
+
+    async def another_coroutine(e):
+        raise e
+
+    def leave_unretrieved(error, coroutine):
+        loop = asyncio.new_event_loop()
+        try:
+            if kind == "future":
+                fut = loop.create_future()
+                fut.set_exception(error)
+            else:
+                fut = loop.create_task(coroutine(error))
+                loop.run_until_complete(asyncio.sleep(0))
+            del fut
+            gc.collect()
+        finally:
+            loop.close()
+
+    class Keep(logging.Handler):
+        def __init__(self):
+            super().__init__()
+            self.errors = []
+
+        def emit(self, record):
+            if "never retrieved" in record.getMessage():
+                self.errors.append(str(record.exc_info[1]))
+
+    def reports():
+        log, keep = logging.getLogger("asyncio"), Keep()
+        log.addHandler(keep)
+        try:
+            leave_unretrieved(read_error, async_deserialize)
+            leave_unretrieved(other_error, another_coroutine)
+        finally:
+            log.removeHandler(keep)
+        return keep.errors
+
+    log = logging.getLogger("asyncio")
+    installed = list(log.filters)  # another test's restore may have installed it already
+    for f in installed:
+        log.removeFilter(f)
+    try:
+        assert reports() == [str(read_error), str(other_error)]  # asyncio reports both
+    finally:
+        for f in installed:
+            log.addFilter(f)
+    _quiet_failed_reads()
+    assert reports() == [str(other_error)]
