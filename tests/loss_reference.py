@@ -265,6 +265,26 @@ def twin_norm(x, *, group_size: int, eps: float = 1e-5) -> np.ndarray:
     return out
 
 
+def group_norm(x, scale, bias, *, num_groups: int, eps: float = 1e-5) -> np.ndarray:
+    """``[N, ..., C]``: each sample's groups of ``C / num_groups`` consecutive channels
+    standardised with their own mean and population variance, then ``scale * . + bias``."""
+    x = np.asarray(x, dtype=np.float64)
+    scale, bias = np.asarray(scale, np.float64), np.asarray(bias, np.float64)
+    channels = x.shape[-1]
+    if channels % num_groups:
+        raise ValueError(f"num_groups {num_groups} does not divide {channels} channels")
+    size = channels // num_groups
+    out = np.empty_like(x)
+    for n in range(x.shape[0]):
+        for start in range(0, channels, size):
+            group = x[n, ..., start:start + size]
+            values = [float(v) for v in group.ravel()]
+            mean = math.fsum(values) / len(values)
+            var = math.fsum((v - mean) ** 2 for v in values) / len(values)
+            out[n, ..., start:start + size] = (group - mean) / math.sqrt(var + eps)
+    return out * scale + bias
+
+
 # ----------------------------------------------------------------------------------------------
 # Gradients and distance to kinks.
 

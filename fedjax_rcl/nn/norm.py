@@ -1,7 +1,8 @@
 """Normalization layers selectable by name (``norm=`` in the config).
 
 - ``group``: GroupNorm, 2 groups, PyTorch's epsilon 1e-5 (Flax's default is 1e-6), two-pass
-  variance — the FedRCL reference's ``nn.GroupNorm(2, C)``.
+  variance — the FedRCL reference's ``nn.GroupNorm(2, C)`` — with its analytic gradient
+  (``fedjax_rcl.nn.group_norm``).
 - ``batch``: BatchNorm with running statistics (PyTorch's momentum 0.1, i.e. Flax's 0.9); the
   statistics are model state that clients update locally and the server averages.
 - ``twin``: Twin Normalization (MFCL): GroupNorm whose statistics span both augmented views of a
@@ -14,6 +15,7 @@ import flax.linen as nn
 import jax
 
 from fedjax_rcl import registry
+from fedjax_rcl.nn.group_norm import GroupNorm
 from fedjax_rcl.nn.twin_norm import TwinNorm
 
 NORMS = ("group", "batch", "twin")
@@ -37,8 +39,7 @@ class Norm(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array, *, train: bool) -> jax.Array:
         if self.kind == "group":
-            return nn.GroupNorm(num_groups=self.num_groups, epsilon=1e-5,
-                                use_fast_variance=False, name="gn")(x)
+            return GroupNorm(num_groups=self.num_groups, epsilon=1e-5, name="gn")(x)
         if self.kind == "batch":
             return nn.BatchNorm(use_running_average=not train, momentum=0.9, epsilon=1e-5,
                                 use_fast_variance=False, name="bn")(x)
