@@ -46,6 +46,20 @@ def test_vmapped_round_equals_sequential_clients(toy, kw):
         assert sizes.min() != sizes.max(), "the uneven case must really be uneven"
 
 
+def test_clients_one_after_another_hold_one_trained_model_not_all(toy):
+    """With clients trained one after another, the round adds each trained model into the
+    weighted mean as it finishes: its working memory does not grow with the clients per round
+    (before, it stacked every client's model and averaged them at the end: 8 more copies at 10
+    clients than at 2)."""
+    temp, model_bytes = {}, None
+    for m in (2, 10):
+        exp = build(_cfg(num_clients=10, participation=m / 10, clients_in_parallel=1), toy)
+        compiled = jax.jit(exp.run_round).lower(exp.state, exp.data).compile()
+        temp[m] = compiled.memory_analysis().temp_size_in_bytes
+        model_bytes = sum(x.nbytes for x in jax.tree.leaves(exp.state.params))
+    assert temp[10] - temp[2] < model_bytes, (temp, model_bytes)
+
+
 def _step_gflop(model, **kw):
     from fedjax_rcl.experiment import training_step_gflop
     from fedjax_rcl.models import get_model, model_fns

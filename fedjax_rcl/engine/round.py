@@ -11,7 +11,8 @@ the device or in host memory):
    look-ahead) sent to every client (``in_axes=None``), with each sampled client's state row;
 4. ``vmap`` over the sampled clients of the local ``scan`` (``engine/client.py``);
 5. weighted mean of client models (and of their BatchNorm statistics, if any) over the client
-   axis;
+   axis, added up group by group as the groups finish (clients one after another never hold
+   more than one group's trained models at once), then over devices;
 6. server optimizer (optax) on the pseudo-gradient ``theta - mean_k theta_k``; the clients' new
    state rows returned.
 
@@ -36,7 +37,7 @@ from fedjax_rcl.data.device import ClientData
 from fedjax_rcl.engine.algorithm import ClientAlgorithm
 from fedjax_rcl.engine.client import LocalUpdate
 from fedjax_rcl.models.base import ModelState
-from fedjax_rcl.server.aggregate import client_weights, weighted_mean
+from fedjax_rcl.server.aggregate import client_weights, weighted_sum
 from fedjax_rcl.server.optimizers import ServerOptimizer
 from fedjax_rcl.types import ClientState, Metrics, Params, PRNGKey
 
@@ -183,16 +184,37 @@ def make_round(local_update: LocalUpdate, server_opt: ServerOptimizer, *, num_cl
             return jax.tree.map(lambda x: x[None], out)
         return vmapped(params, model_state, rows, keys, idx, sizes, round_index, data, message)
 
-    def train_local(params, model_state, round_index, data, message, xs):
+    def train_local(params, model_state, round_index, data, message, xs, w):
         """This device's clients (all of them without a mesh), ``per_group // devices`` at a
-        time: leaves ``[n, ...]`` -> ``[n, ...]``."""
+        time: leaves ``[n, ...]``, weights ``w`` ``[n]`` (their share of the round's mean) ->
+        ``(sums, rest)``: ``sums`` the weighted sums of the trained models and model states
+        (float32, added over groups as each finishes, then over devices), ``rest`` the new
+        state rows and the metrics, leaves ``[n, ...]``."""
         n = jax.tree.leaves(xs)[0].shape[0]
         k = per_group // devices
-        run = lambda group: train_group(params, model_state, round_index, data, message, group)
+
+        def run(group, wg):
+            trained, trained_ms, new_rows, client_metrics = train_group(
+                params, model_state, round_index, data, message, group)
+            return weighted_sum((trained, trained_ms), wg), (new_rows, client_metrics)
+
         if n == k:
-            return run(xs)
-        out = jax.lax.map(run, jax.tree.map(lambda x: x.reshape(n // k, k, *x.shape[1:]), xs))
-        return jax.tree.map(lambda x: x.reshape(n, *x.shape[2:]), out)
+            sums, rest = run(xs, w)
+        else:
+            split = lambda x: x.reshape(n // k, k, *x.shape[1:])
+            groups_xs, groups_w = jax.tree.map(split, xs), split(w)
+            zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(
+                run, jax.tree.map(lambda x: x[0], groups_xs), groups_w[0])[0])
+
+            def body(acc, group):
+                sums, rest = run(*group)
+                return jax.tree.map(jnp.add, acc, sums), rest
+
+            sums, rest = jax.lax.scan(body, zeros, (groups_xs, groups_w))
+            rest = jax.tree.map(lambda x: x.reshape(n, *x.shape[2:]), rest)
+        if mesh is not None:
+            sums = jax.lax.psum(sums, CLIENTS)
+        return sums, rest
 
     # With a mesh, each device trains its block of clients with exactly the single-device code
     # (shard_map rather than XLA's automatic partitioning: an FFI call such as the oneDNN
@@ -200,15 +222,16 @@ def make_round(local_update: LocalUpdate, server_opt: ServerOptimizer, *, num_cl
     # check_vma=False: every value inside is per device, and the global model is each client's
     # private starting point; the gradients taken inside are local, never summed over devices.
     train = train_local if mesh is None else jax.shard_map(
-        train_local, mesh=mesh, in_specs=(P(), P(), P(), P(), P(), P(CLIENTS)),
-        out_specs=P(CLIENTS), check_vma=False)
+        train_local, mesh=mesh, in_specs=(P(), P(), P(), P(), P(), P(CLIENTS), P(CLIENTS)),
+        out_specs=(P(), P(CLIENTS)), check_vma=False)
 
-    def train_clients(state, data, clients, rows):
-        """Local training of ``padded`` clients: ``[padded]`` ids -> ``[padded, ...]``."""
+    def train_clients(state, data, clients, rows, w):
+        """Local training of ``padded`` clients: ``[padded]`` ids and mean weights ->
+        ``(sums, rest)`` (``train_local``)."""
         xs = (rows, client_keys(state.key, state.round, clients),
               data.client_indices[clients], data.client_sizes[clients])
         start = server_opt.start(state.params, state.opt_state)
-        return train(start, state.model_state, state.round, data, state.message, xs)
+        return train(start, state.model_state, state.round, data, state.message, xs, w)
 
     def round_rows(state: ServerState, data: ClientData,
                    rows: ClientState) -> tuple[ServerState, Metrics, ClientState]:
@@ -218,9 +241,11 @@ def make_round(local_update: LocalUpdate, server_opt: ServerOptimizer, *, num_cl
         rows = jax.tree.map(  # padded slots train copies of the first sampled client's row
             lambda r: jnp.concatenate([r, jnp.broadcast_to(r[:1], (padded - m, *r.shape[1:]))])
             if padded > m else r, rows)
-        trained, trained_ms, new_rows, client_metrics = train_clients(state, data, clients, rows)
         weights = jnp.where(valid, client_weights(data.client_sizes[clients], aggregation), 0.0)
-        mean_params = weighted_mean(trained, weights)
+        (sum_params, sum_ms), (new_rows, client_metrics) = train_clients(
+            state, data, clients, rows, weights / jnp.sum(weights))
+        like = lambda sums, tree: jax.tree.map(lambda s, x: s.astype(x.dtype), sums, tree)
+        mean_params = like(sum_params, state.params)
         pseudo_grad = jax.tree.map(jnp.subtract, state.params, mean_params)
         updates, opt_state = server_opt.tx.update(pseudo_grad, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
@@ -237,7 +262,7 @@ def make_round(local_update: LocalUpdate, server_opt: ServerOptimizer, *, num_cl
         metrics.update({f"client_{k}": v for k, v in own.items()})
         if mesh is not None:  # every process reads the metrics
             metrics = jax.tree.map(lambda x: spread(x, P()), metrics)
-        new_state = state.replace(params=params, model_state=weighted_mean(trained_ms, weights),
+        new_state = state.replace(params=params, model_state=like(sum_ms, state.model_state),
                                   opt_state=opt_state, round=state.round + 1, message=message)
         return new_state, metrics, jax.tree.map(lambda r: r[:m], new_rows)
 

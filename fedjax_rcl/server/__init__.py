@@ -1,6 +1,11 @@
 """Aggregation and server optimizers (each registers itself; see ``fedjax_rcl.registry``)."""
 
-from fedjax_rcl.server.aggregate import AGGREGATIONS, client_weights, weighted_mean
+from fedjax_rcl.server.aggregate import (
+    AGGREGATIONS,
+    client_weights,
+    weighted_mean,
+    weighted_sum,
+)
 from fedjax_rcl.server.fedacg import fedacg
 from fedjax_rcl.server.optimizers import (
     ServerOptimizer,
@@ -12,4 +17,4 @@ from fedjax_rcl.server.optimizers import (
 )
 
 __all__ = ["AGGREGATIONS", "ServerOptimizer", "client_weights", "fedacg", "fedadam", "fedavg",
-           "fedavgm", "scale_by_fedadam", "server_optimizer", "weighted_mean"]
+           "fedavgm", "scale_by_fedadam", "server_optimizer", "weighted_mean", "weighted_sum"]

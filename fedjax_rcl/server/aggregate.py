@@ -26,6 +26,25 @@ def weighted_mean(tree, weights: jax.Array):
     return jax.tree.map(lambda x: jnp.tensordot(w, x, axes=(0, 0)).astype(x.dtype), tree)
 
 
+def weighted_sum(tree, weights: jax.Array):
+    """``sum_k w_k theta_k`` over the leading (client) axis of every leaf, in float32 (at
+    least): with weights already divided by their total over the round's clients, the mean
+    of ``weighted_mean`` taken piecewise — a group of clients at a time, or one device's
+    clients — whose partial sums add up to it.
+
+    Args:
+      tree: pytree with leaves ``[clients, ...]``.
+      weights: ``[clients]``.
+
+    Returns:
+      the pytree with leaves ``[...]``, of type ``promote(leaf, float32)``.
+    """
+    w = weights.astype(jnp.float32)
+    return jax.tree.map(
+        lambda x: jnp.tensordot(w, x.astype(jnp.promote_types(x.dtype, jnp.float32)),
+                                axes=(0, 0)), tree)
+
+
 def client_weights(sizes: jax.Array, aggregation: str) -> jax.Array:
     """``size``: weights proportional to client sample counts (FedAvg); ``uniform``: all equal
     (the FedRCL reference). The two agree on the paper's balanced partitions."""
