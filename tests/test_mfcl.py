@@ -287,6 +287,7 @@ def test_client_statistics_normalise_each_clients_representations_with_its_own()
     assert np.abs(np.asarray(encode(jnp.asarray(x), True)) - out[0]).max() > 1e-2
 
 
+@pytest.mark.slow  # L-BFGS probes fitted twice (CI's second step)
 def test_probe_controls_are_the_same_probe_on_a_random_server_and_on_pixels():
     """The probe record holds the probe of the server's features and, with the same probe
     and held-out split, the controls: a server network initialised from the control's key
@@ -316,6 +317,7 @@ def test_probe_controls_are_the_same_probe_on_a_random_server_and_on_pixels():
         f"control_random_server_{k}" for k in trained}
 
 
+@pytest.mark.slow  # L-BFGS probes fitted twice (CI's second step)
 def test_probe_projection_reads_the_projection_heads_output():
     """With mfcl.probe_projection the record also holds the same probe on the projection
     head's output (MFCL's linear evaluation reads it), computed here directly from the server
