@@ -22,8 +22,8 @@ def weighted_mean(tree, weights: jax.Array):
       the pytree with leaves ``[...]``.
     """
     w = weights.astype(jnp.float32)
-    w = w / jnp.sum(w)
-    return jax.tree.map(lambda x: jnp.tensordot(w, x, axes=(0, 0)).astype(x.dtype), tree)
+    sums = weighted_sum(tree, w / jnp.sum(w))
+    return jax.tree.map(lambda s, x: s.astype(x.dtype), sums, tree)
 
 
 def weighted_sum(tree, weights: jax.Array):
