@@ -203,8 +203,11 @@ def make_round(local_update: LocalUpdate, server_opt: ServerOptimizer, *, num_cl
         else:
             split = lambda x: x.reshape(n // k, k, *x.shape[1:])
             groups_xs, groups_w = jax.tree.map(split, xs), split(w)
-            zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(
-                run, jax.tree.map(lambda x: x[0], groups_xs), groups_w[0])[0])
+            # The sums have the shapes of the model and its state (the round subtracts the
+            # mean from the global model), in weighted_sum's float32.
+            zeros = jax.tree.map(
+                lambda x: jnp.zeros(x.shape, jnp.promote_types(x.dtype, jnp.float32)),
+                (params, model_state))
 
             def body(acc, group):
                 sums, rest = run(*group)
