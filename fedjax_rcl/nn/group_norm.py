@@ -80,8 +80,7 @@ def _backward(num_groups, epsilon, residuals, dy):
     return dx, dscale, dbias
 
 
-group_norm.defvjp(lambda x, scale, bias, num_groups, epsilon:
-                  _forward(x, scale, bias, num_groups, epsilon), _backward)
+group_norm.defvjp(_forward, _backward)
 
 
 class GroupNorm(nn.Module):
