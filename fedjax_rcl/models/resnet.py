@@ -42,7 +42,7 @@ class BasicBlock(nn.Module):
         cin = x.shape[-1]
         y = torch_conv(cin, self.features, 3, stride=self.stride, padding=1, use_bias=False,
                        conv_impl=self.conv_impl, name="conv1")(x)
-        y = nn.relu(Norm(self.norm, name="norm1")(y, train=train))
+        y = Norm(self.norm, name="norm1")(y, train=train, relu=True)
         y = torch_conv(self.features, self.features, 3, padding=1, use_bias=False,
                        conv_impl=self.conv_impl, name="conv2")(y)
         y = Norm(self.norm, name="norm2")(y, train=train)
@@ -67,10 +67,10 @@ class Bottleneck(nn.Module):
     def __call__(self, x: jax.Array, *, train: bool) -> jax.Array:
         cin, width, out = x.shape[-1], self.features, 4 * self.features
         y = torch_conv(cin, width, 1, use_bias=False, conv_impl=self.conv_impl, name="conv1")(x)
-        y = nn.relu(Norm(self.norm, name="norm1")(y, train=train))
+        y = Norm(self.norm, name="norm1")(y, train=train, relu=True)
         y = torch_conv(width, width, 3, stride=self.stride, padding=1, use_bias=False,
                        conv_impl=self.conv_impl, name="conv2")(y)
-        y = nn.relu(Norm(self.norm, name="norm2")(y, train=train))
+        y = Norm(self.norm, name="norm2")(y, train=train, relu=True)
         y = torch_conv(width, out, 1, use_bias=False, conv_impl=self.conv_impl, name="conv3")(y)
         y = Norm(self.norm, name="norm3")(y, train=train)
         if self.stride != 1 or cin != out:

@@ -16,6 +16,18 @@ instead (Flax's ``nn.GroupNorm``) reduces over the activations about four times,
 mean, the variance and their adjoints; in a ResNet-18 round on a CPU those reductions were
 the largest cost outside the convolutions. Statistics and the gradient are computed in at
 least float32 whatever the input's type; the output has the input's type.
+
+``relu=True`` returns ``max(y, 0)`` and masks the incoming gradient inside the same passes (a
+ReLU after a norm is every ResNet block's first half).
+
+Two implementations of the same equations (``impl``): ``"xla"``, the formulas below compiled
+by XLA, on every platform and type; ``"kernel"``, float32 C++ kernels on the CPU
+(``csrc/group_norm.cc``, built with the oneDNN convolutions by ``fedjax_rcl.nn.onednn``): XLA's
+CPU reductions read materialised inputs, so the compiled formulas still write and reread the
+activation about ten times, where the kernels pass over it twice forward (statistics, output)
+and twice backward (the two sums, the input gradient). The kernels accumulate in double and
+compute the variance in one pass (exact to float32 unless |mean| / sd exceeds about 1e4).
+``"auto"`` takes the kernels for float32 on a CPU where they can be built, XLA otherwise.
 """
 
 from __future__ import annotations
@@ -25,6 +37,11 @@ import functools
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
+
+from fedjax_rcl.nn import onednn
+
+IMPLS = ("auto", "xla", "kernel")
 
 
 def _grouped(x: jax.Array, num_groups: int) -> jax.Array:
@@ -36,41 +53,31 @@ def _compute_type(x: jax.Array):
     return jnp.promote_types(x.dtype, jnp.float32)
 
 
-def _forward(x, scale, bias, num_groups, epsilon):
+def _xla_forward(x, scale, bias, num_groups, epsilon, relu):
     f32 = _compute_type(x)
     xg = _grouped(x, num_groups).astype(f32)
     mean = jnp.mean(xg, axis=(1, 3), keepdims=True)
     rstd = jax.lax.rsqrt(jnp.mean(jnp.square(xg - mean), axis=(1, 3), keepdims=True) + epsilon)
     gamma = scale.astype(f32).reshape(num_groups, -1)
     beta = bias.astype(f32).reshape(num_groups, -1)
-    y = ((xg - mean) * rstd * gamma + beta).astype(x.dtype).reshape(x.shape)
-    return y, (x, scale, bias, mean, rstd)
+    y = (xg - mean) * rstd * gamma + beta
+    if relu:
+        y = jnp.maximum(y, 0)
+    return y.astype(x.dtype).reshape(x.shape), mean[:, 0, :, 0], rstd[:, 0, :, 0]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def group_norm(x: jax.Array, scale: jax.Array, bias: jax.Array, num_groups: int,
-               epsilon: float = 1e-5) -> jax.Array:
-    """``γ (x - μ)/σ + β`` over groups of channels (see the module docstring).
-
-    Args:
-      x: ``[N, ..., C]``; statistics are per sample and per group of ``C / num_groups``
-        consecutive channels, over every axis but the first.
-      scale, bias: ``[C]``.
-      num_groups: divides ``C``.
-      epsilon: added to the variance.
-    """
-    return _forward(x, scale, bias, num_groups, epsilon)[0]
-
-
-def _backward(num_groups, epsilon, residuals, dy):
-    x, scale, bias, mean, rstd = residuals
+def _xla_backward(x, scale, bias, mean, rstd, dy, num_groups, relu):
     f32 = _compute_type(x)
+    mean, rstd = mean[:, None, :, None], rstd[:, None, :, None]
     xg = _grouped(x, num_groups).astype(f32)
     dyg = _grouped(dy, num_groups).astype(f32)
     xhat = (xg - mean) * rstd
+    gamma = scale.astype(f32).reshape(num_groups, -1)
+    if relu:  # the forward's test: (x - mean) * rstd * gamma + beta > 0
+        beta = bias.astype(f32).reshape(num_groups, -1)
+        dyg = jnp.where((xg - mean) * rstd * gamma + beta > 0, dyg, 0)
     sum_dy = jnp.sum(dyg, axis=1)  # [N, G, C/G]
     sum_dy_xhat = jnp.sum(dyg * xhat, axis=1)
-    gamma = scale.astype(f32).reshape(num_groups, -1)
     m = xg.shape[1] * xg.shape[3]
     mean_g = (jnp.sum(sum_dy * gamma, axis=-1) / m)[:, None, :, None]
     mean_g_xhat = (jnp.sum(sum_dy_xhat * gamma, axis=-1) / m)[:, None, :, None]
@@ -80,7 +87,73 @@ def _backward(num_groups, epsilon, residuals, dy):
     return dx, dscale, dbias
 
 
-group_norm.defvjp(_forward, _backward)
+def _kernel_forward(x, scale, bias, num_groups, epsilon, relu):
+    stats = jax.ShapeDtypeStruct((x.shape[0], num_groups), jnp.float32)
+    return onednn.call("fedjax_group_norm_forward",
+                       (jax.ShapeDtypeStruct(x.shape, x.dtype), stats, stats), x, scale, bias,
+                       groups=np.int64(num_groups), epsilon=np.float64(epsilon),
+                       relu=np.int64(relu))
+
+
+def _kernel_backward(x, scale, bias, mean, rstd, dy, num_groups, relu):
+    shapes = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (x, scale, bias))
+    return onednn.call("fedjax_group_norm_backward", shapes, x, dy, scale, bias, mean, rstd,
+                       groups=np.int64(num_groups), relu=np.int64(relu))
+
+
+def resolve_impl(impl: str, x: jax.Array, scale: jax.Array, bias: jax.Array) -> str:
+    """``"kernel"`` or ``"xla"``: what ``impl`` means for these operands here."""
+    if impl not in IMPLS:
+        raise ValueError(f"group_norm: impl={impl!r}; allowed {IMPLS}")
+    if impl != "auto":
+        return impl
+    float32 = all(a.dtype == jnp.float32 for a in (x, scale, bias))
+    on_cpu = jax.default_backend() == "cpu"
+    return "kernel" if float32 and on_cpu and onednn.available() else "xla"
+
+
+def _forward(x, scale, bias, num_groups, epsilon, relu, impl):
+    fwd = _kernel_forward if impl == "kernel" else _xla_forward
+    y, mean, rstd = fwd(x, scale, bias, num_groups, epsilon, relu)
+    return y, (x, scale, bias, mean, rstd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def _group_norm(x, scale, bias, num_groups, epsilon, relu, impl):
+    return _forward(x, scale, bias, num_groups, epsilon, relu, impl)[0]
+
+
+def _backward(num_groups, epsilon, relu, impl, residuals, dy):
+    bwd = _kernel_backward if impl == "kernel" else _xla_backward
+    return tuple(bwd(*residuals, dy, num_groups, relu))
+
+
+_group_norm.defvjp(_forward, _backward)
+
+
+def group_norm(x: jax.Array, scale: jax.Array, bias: jax.Array, num_groups: int,
+               epsilon: float = 1e-5, relu: bool = False, impl: str = "auto") -> jax.Array:
+    """``γ (x - μ)/σ + β`` over groups of channels, then ``max(·, 0)`` if ``relu`` (see the
+    module docstring).
+
+    Args:
+      x: ``[N, ..., C]``; statistics are per sample and per group of ``C / num_groups``
+        consecutive channels, over every axis but the first.
+      scale, bias: ``[C]``.
+      num_groups: divides ``C``.
+      epsilon: added to the variance.
+      relu: apply a ReLU to the output (and its mask to the gradient) in the same passes.
+      impl: ``"auto"``, ``"xla"`` or ``"kernel"`` (the CPU kernels; float32 only).
+    """
+    impl = resolve_impl(impl, x, scale, bias)
+    if impl == "kernel":
+        if not all(a.dtype == jnp.float32 for a in (x, scale, bias)):
+            raise ValueError("group_norm: impl='kernel' computes float32 only; got "
+                             f"{x.dtype}, {scale.dtype}, {bias.dtype}")
+        if x.ndim < 2 or x.shape[-1] % num_groups:
+            raise ValueError(f"group_norm: num_groups={num_groups} must divide the channels of "
+                             f"an input [N, ..., C]; got shape {x.shape}")
+    return _group_norm(x, scale, bias, num_groups, float(epsilon), bool(relu), impl)
 
 
 class GroupNorm(nn.Module):
@@ -98,11 +171,12 @@ class GroupNorm(nn.Module):
     param_dtype: jnp.dtype = jnp.float32
 
     @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, relu: bool = False) -> jax.Array:
+        """The normalised ``x``; with ``relu``, ``max(·, 0)`` of it in the same passes."""
         channels = x.shape[-1]
         if x.ndim < 2 or self.num_groups <= 0 or channels % self.num_groups:
             raise ValueError(f"GroupNorm: num_groups={self.num_groups} must divide the "
                              f"channels of an input [N, ..., C]; got shape {x.shape}")
         scale = self.param("scale", nn.initializers.ones, (channels,), self.param_dtype)
         bias = self.param("bias", nn.initializers.zeros, (channels,), self.param_dtype)
-        return group_norm(x, scale, bias, self.num_groups, self.epsilon)
+        return group_norm(x, scale, bias, self.num_groups, self.epsilon, relu)

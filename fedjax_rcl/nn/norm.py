@@ -30,6 +30,9 @@ class Norm(nn.Module):
       num_groups: groups for ``group`` and ``twin``.
       twin_variance: ``twin``'s variance, ``"pooled"`` (MFCL's Eq. 2) or ``"views"`` (its
         code listing; ``fedjax_rcl.nn.twin_norm``).
+
+    ``relu=True`` at the call returns ``max(norm(x), 0)``; GroupNorm applies it (and its
+    gradient mask) inside its own passes over the activation, the others after.
     """
 
     kind: str = "group"
@@ -37,13 +40,15 @@ class Norm(nn.Module):
     twin_variance: str = "pooled"
 
     @nn.compact
-    def __call__(self, x: jax.Array, *, train: bool) -> jax.Array:
+    def __call__(self, x: jax.Array, *, train: bool, relu: bool = False) -> jax.Array:
         if self.kind == "group":
-            return GroupNorm(num_groups=self.num_groups, epsilon=1e-5, name="gn")(x)
+            return GroupNorm(num_groups=self.num_groups, epsilon=1e-5, name="gn")(x, relu)
         if self.kind == "batch":
-            return nn.BatchNorm(use_running_average=not train, momentum=0.9, epsilon=1e-5,
-                                use_fast_variance=False, name="bn")(x)
-        if self.kind == "twin":
-            return TwinNorm(num_groups=self.num_groups, epsilon=1e-5,
-                            variance=self.twin_variance, name="tn")(x, paired=train)
-        raise ValueError(f"norm={self.kind!r}: allowed {NORMS}")
+            y = nn.BatchNorm(use_running_average=not train, momentum=0.9, epsilon=1e-5,
+                             use_fast_variance=False, name="bn")(x)
+        elif self.kind == "twin":
+            y = TwinNorm(num_groups=self.num_groups, epsilon=1e-5,
+                         variance=self.twin_variance, name="tn")(x, paired=train)
+        else:
+            raise ValueError(f"norm={self.kind!r}: allowed {NORMS}")
+        return nn.relu(y) if relu else y

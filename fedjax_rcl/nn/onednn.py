@@ -7,7 +7,10 @@ oneDNN, the library behind PyTorch's CPU convolutions, runs the forward, input-g
 kernel-gradient convolutions as direct JIT kernels without those copies. This module builds a
 small C++ extension (``csrc/onednn_conv.cc``) against the oneDNN wheel on first use, caches it,
 and registers three FFI targets; ``fedjax_rcl.nn.conv.onednn_conv_general_dilated`` composes
-them into a differentiable convolution.
+them into a differentiable convolution. The same library carries the GroupNorm kernels of
+``csrc/group_norm.cc`` (two more targets, ``fedjax_rcl.nn.group_norm``): XLA:CPU's fused
+reductions need their inputs materialised, and a differentiated GroupNorm reads and writes each
+activation about ten times where a hand-written kernel needs four passes.
 
 The build needs a C++17 compiler (``$CXX`` or ``g++``), jaxlib's FFI headers and the
 ``onednn-devel-cpu-gomp`` wheel (a dependency on x86-64 Linux). When any of them is missing,
@@ -35,11 +38,16 @@ import jax
 import numpy as np
 
 SOURCE = Path(__file__).parent / "csrc" / "onednn_conv.cc"
-# FFI target name -> exported handler symbol.
+GROUP_NORM_SOURCE = Path(__file__).parent / "csrc" / "group_norm.cc"
+# FFI target name -> exported handler symbol: the convolutions, then the GroupNorm kernels.
 TARGETS = {
     "fedjax_onednn_conv_forward": "FedjaxOnednnConvForward",
     "fedjax_onednn_conv_backward_data": "FedjaxOnednnConvBackwardData",
     "fedjax_onednn_conv_backward_weights": "FedjaxOnednnConvBackwardWeights",
+}
+GROUP_NORM_TARGETS = {
+    "fedjax_group_norm_forward": "FedjaxGroupNormForward",
+    "fedjax_group_norm_backward": "FedjaxGroupNormBackward",
 }
 _HEADERS_DIST, _LIBRARY_DIST = "onednn-devel-cpu-gomp", "onednn-cpu-gomp"
 
@@ -88,8 +96,9 @@ def _build_inputs() -> dict:
 def _build(inputs: dict) -> Path:
     """Compiles the extension into the cache (once per source, jaxlib and oneDNN) and returns
     its path."""
-    source = SOURCE.read_bytes()
-    digest = hashlib.sha256(source)
+    digest = hashlib.sha256()
+    for source in _sources():
+        digest.update(source.read_bytes())
     for key in ("cxx", "dnnl_include", "ffi_include", "libdnnl"):
         digest.update(str(inputs[key]).encode())
     digest.update(jax.__version__.encode())
@@ -122,15 +131,20 @@ def _compile(inputs: dict, out: Path) -> None:
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         tmp_out = Path(tmp) / out.name
         cmd = [
-            *inputs["cxx"], "-O2", "-std=c++17", "-shared", "-fPIC", "-w",
+            *inputs["cxx"], "-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-w",
             "-isystem", str(inputs["ffi_include"]), "-isystem", str(inputs["dnnl_include"]),
-            str(SOURCE), "-o", str(tmp_out),
+            *map(str, _sources()), "-o", str(tmp_out),
             f"-L{libdir}", f"-l:{inputs['libdnnl'].name}", f"-Wl,-rpath,{libdir}",
         ]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
-            raise OneDnnUnavailable(f"building {SOURCE.name} failed:\n{proc.stderr[-2000:]}")
+            names = ", ".join(source.name for source in _sources())
+            raise OneDnnUnavailable(f"building {names} failed:\n{proc.stderr[-2000:]}")
         os.replace(tmp_out, out)  # atomic: a reader never sees a half-written library
+
+
+def _sources() -> tuple[Path, ...]:
+    return (SOURCE, GROUP_NORM_SOURCE)
 
 
 @functools.lru_cache(maxsize=1)
@@ -139,7 +153,7 @@ def _load() -> ctypes.CDLL | OneDnnUnavailable:
     library, or the reason it is unavailable."""
     try:
         lib = ctypes.CDLL(str(_build(_build_inputs())))
-        for target, symbol in TARGETS.items():
+        for target, symbol in {**TARGETS, **GROUP_NORM_TARGETS}.items():
             jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)),
                                         platform="cpu")
         return lib
@@ -174,20 +188,31 @@ def _library() -> ctypes.CDLL:
     return loaded
 
 
-def _call(target: str, out_shape, *operands, strides, padding):
+def call(target: str, result_shapes, *operands, **attributes):
+    """Calls one of the extension's FFI targets; ``result_shapes`` a ``ShapeDtypeStruct`` or a
+    tuple of them (the results likewise)."""
     _library()  # registers the targets before the call is traced
-    (pt, pb), (pl, pr) = padding
-    sh, sw = strides
     # Under vmap (clients side by side) the call runs once per client: on CPU that is the
-    # right schedule anyway, and each client has its own kernel.
-    out = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(out_shape, operands[0].dtype),
-                           vmap_method="sequential")(
-        *operands, stride_h=np.int64(sh), stride_w=np.int64(sw), pad_top=np.int64(pt),
-        pad_bottom=np.int64(pb), pad_left=np.int64(pl), pad_right=np.int64(pr))
+    # right schedule anyway, and each client has its own parameters.
+    out = jax.ffi.ffi_call(target, result_shapes, vmap_method="sequential")(*operands,
+                                                                           **attributes)
     # Inside shard_map an FFI result is typed device-invariant; it varies over the mesh axes
     # its operands vary over (what autodiff inside shard_map relies on).
-    varying = frozenset().union(*map(_varying_axes, operands)) - _varying_axes(out)
-    return jax.lax.pcast(out, tuple(sorted(varying)), to="varying") if varying else out
+    varying = frozenset().union(*map(_varying_axes, operands))
+
+    def cast(r):
+        extra = varying - _varying_axes(r)
+        return jax.lax.pcast(r, tuple(sorted(extra)), to="varying") if extra else r
+
+    return jax.tree.map(cast, out)
+
+
+def _call(target: str, out_shape, *operands, strides, padding):
+    (pt, pb), (pl, pr) = padding
+    sh, sw = strides
+    return call(target, jax.ShapeDtypeStruct(out_shape, operands[0].dtype), *operands,
+                stride_h=np.int64(sh), stride_w=np.int64(sw), pad_top=np.int64(pt),
+                pad_bottom=np.int64(pb), pad_left=np.int64(pl), pad_right=np.int64(pr))
 
 
 def _varying_axes(x) -> frozenset:
