@@ -238,3 +238,25 @@ def test_build_is_cached_by_content(monkeypatch, tmp_path):
     edited.write_text(onednn.SOURCE.read_text() + "\n// edited\n")
     monkeypatch.setattr(onednn, "SOURCE", edited)
     assert onednn._build(inputs) != first
+
+
+@pytest.mark.slow
+@needs_onednn
+def test_a_compiler_without_openmp_still_builds_the_library(monkeypatch, tmp_path):
+    """OpenMP only spreads the GroupNorm kernels over the cores: a compiler that cannot link
+    it builds the same library without it."""
+    real = onednn._build_inputs()["cxx"]
+    calls = tmp_path / "calls"
+    wrapper = tmp_path / "cxx-without-openmp"
+    wrapper.write_text("#!/bin/sh\n"
+                       f"echo \"$*\" >> {calls}\n"
+                       "for a in \"$@\"; do [ \"$a\" = -fopenmp ] && "
+                       "{ echo 'no OpenMP here' >&2; exit 1; }; done\n"
+                       f"exec {' '.join(real)} \"$@\"\n")
+    wrapper.chmod(0o755)
+    monkeypatch.setenv("CXX", str(wrapper))
+    monkeypatch.setenv("FEDJAX_RCL_CACHE", str(tmp_path / "cache"))
+    library = onednn._build(onednn._build_inputs())
+    assert library.exists()
+    tried = calls.read_text().splitlines()
+    assert len(tried) == 2 and "-fopenmp" in tried[0].split() and "-fopenmp" not in tried[1].split()
