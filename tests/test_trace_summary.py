@@ -53,6 +53,7 @@ ENTRY %main.9 (x: f32[8,16,16,4], w: f32[3,3,4,8], y: f32[8,64], z: f32[64,10]) 
   %transpose_fusion = f32[64,8]{0,1} fusion(%y), kind=kLoop, calls=%fused_moves
   %cudnn-conv.1 = (f32[8,8], u8[0]) custom-call(%x, %w), custom_call_target="__cudnn$convForward"
   %cublas-gemm.1 = (f32[8,10], s8[0]) custom-call(%y, %z), custom_call_target="__cublas$gemm"
+  %gn.1 = (f32[8,64], f32[8,2]) custom-call(%y), custom_call_target="fedjax_group_norm_forward"
   %rng = u32[4]{0} rng-bit-generator(%w), algorithm=rng_default
   %while.1 = (s32[], f32[64]{0}) while(%x), condition=%cond, body=%body
   ROOT %dot.9 = f32[8,10]{1,0} dot(%y, %z), lhs_contracting_dims={1}, rhs_contracting_dims={0}
@@ -66,6 +67,7 @@ def test_operations_are_categorised_by_what_the_hlo_says_they_compute():
     assert cats["cudnn-conv.1"] == "convolution"  # cuDNN's custom call
     assert cats["gemm_fusion_dot.2"] == "matmul"  # a fusion holding a dot
     assert cats["cublas-gemm.1"] == "matmul"
+    assert cats["gn.1"] == "elementwise"  # the GroupNorm kernels do what XLA's fusions would
     assert cats["dot.9"] == "matmul"
     assert cats["transpose_fusion"] == "copy"  # only slicing and transposing
     assert cats["loop_add_fusion"] == "elementwise"

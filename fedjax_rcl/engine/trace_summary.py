@@ -82,6 +82,8 @@ def _custom_call(target: str) -> str:
         return "convolution"
     if re.search(r"gemm|matmul|cublas", t):
         return "matmul"
+    if "norm" in t:  # normalization kernels (fedjax_group_norm_*): the work XLA fuses otherwise
+        return "elementwise"
     return "other"
 
 
