@@ -28,6 +28,8 @@ def main():
     ap.add_argument("--participation", type=float, default=0.5)
     ap.add_argument("--clients-in-parallel", type=int, default=0)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--model", default=None, help="a model name (default: the config's)")
+    ap.add_argument("--width", type=int, default=None)
     ap.add_argument("--process-id", type=int, default=0)
     ap.add_argument("--num-processes", type=int, default=1)
     ap.add_argument("--coordinator", default=None)
@@ -38,7 +40,8 @@ def main():
         cfg = Config(dataset="toy", algorithm=args.algorithm, num_clients=8,
                      participation=args.participation, partition="dirichlet", alpha=0.5,
                      balanced=False, local_epochs=1, batch_size=16, devices=d,
-                     clients_in_parallel=args.clients_in_parallel, eval_every=args.rounds)
+                     clients_in_parallel=args.clients_in_parallel, eval_every=args.rounds,
+                     **({"model": args.model, "width": args.width} if args.model else {}))
         exp = build(cfg, ds)
         state, metrics = exp.compile_rounds()(exp.state, args.rounds)
         ev = to_host(exp.evaluate(state.params, state.model_state, exp.test))
