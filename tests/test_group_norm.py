@@ -117,9 +117,13 @@ def test_norm_group_is_this_layer_under_the_name_gn():
                                                                 num_groups=2), atol=2e-5)
 
 
-def test_groups_that_do_not_divide_the_channels_are_refused():
+@pytest.mark.parametrize("impl", ["xla", "kernel"])
+def test_groups_that_do_not_divide_the_channels_are_refused(impl):
     with pytest.raises(ValueError, match=r"num_groups=4 must divide the channels.*\(2, 6\)"):
         GroupNorm(num_groups=4).init(jax.random.key(0), jnp.ones((2, 6)))
+    for groups in (4, 0):
+        with pytest.raises(ValueError, match=rf"num_groups={groups} must divide the channels"):
+            group_norm(jnp.ones((2, 6)), jnp.ones(6), jnp.zeros(6), groups, impl=impl)
 
 
 def _float64_path(x, scale, bias, weights, groups, relu):

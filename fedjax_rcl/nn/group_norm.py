@@ -20,7 +20,7 @@ least float32 whatever the input's type; the output has the input's type.
 ``relu=True`` returns ``max(y, 0)`` and masks the incoming gradient inside the same passes (a
 ReLU after a norm is every ResNet block's first half).
 
-Two implementations of the same equations (``impl``): ``"xla"``, the formulas below compiled
+Two implementations of the same equations (``impl``): ``"xla"``, the formulas above compiled
 by XLA, on every platform and type; ``"kernel"``, float32 C++ kernels on the CPU
 (``csrc/group_norm.cc``, built with the oneDNN convolutions by ``fedjax_rcl.nn.onednn``): XLA's
 CPU reductions read materialised inputs, so the compiled formulas still write and reread the
@@ -145,14 +145,13 @@ def group_norm(x: jax.Array, scale: jax.Array, bias: jax.Array, num_groups: int,
       relu: apply a ReLU to the output (and its mask to the gradient) in the same passes.
       impl: ``"auto"``, ``"xla"`` or ``"kernel"`` (the CPU kernels; float32 only).
     """
+    if x.ndim < 2 or num_groups <= 0 or x.shape[-1] % num_groups:
+        raise ValueError(f"group_norm: num_groups={num_groups} must divide the channels of an "
+                         f"input [N, ..., C]; got shape {x.shape}")
     impl = resolve_impl(impl, x, scale, bias)
-    if impl == "kernel":
-        if not all(a.dtype == jnp.float32 for a in (x, scale, bias)):
-            raise ValueError("group_norm: impl='kernel' computes float32 only; got "
-                             f"{x.dtype}, {scale.dtype}, {bias.dtype}")
-        if x.ndim < 2 or x.shape[-1] % num_groups:
-            raise ValueError(f"group_norm: num_groups={num_groups} must divide the channels of "
-                             f"an input [N, ..., C]; got shape {x.shape}")
+    if impl == "kernel" and not all(a.dtype == jnp.float32 for a in (x, scale, bias)):
+        raise ValueError("group_norm: impl='kernel' computes float32 only; got "
+                         f"{x.dtype}, {scale.dtype}, {bias.dtype}")
     return _group_norm(x, scale, bias, num_groups, float(epsilon), bool(relu), impl)
 
 
