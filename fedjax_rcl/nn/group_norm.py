@@ -75,7 +75,7 @@ def _xla_backward(x, scale, bias, mean, rstd, dy, num_groups, relu):
     gamma = scale.astype(f32).reshape(num_groups, -1)
     if relu:  # the forward's test: (x - mean) * rstd * gamma + beta > 0
         beta = bias.astype(f32).reshape(num_groups, -1)
-        dyg = jnp.where((xg - mean) * rstd * gamma + beta > 0, dyg, 0)
+        dyg = jnp.where(xhat * gamma + beta > 0, dyg, 0)
     sum_dy = jnp.sum(dyg, axis=1)  # [N, G, C/G]
     sum_dy_xhat = jnp.sum(dyg * xhat, axis=1)
     m = xg.shape[1] * xg.shape[3]
@@ -101,15 +101,18 @@ def _kernel_backward(x, scale, bias, mean, rstd, dy, num_groups, relu):
                        groups=np.int64(num_groups), relu=np.int64(relu))
 
 
+def _all_float32(*arrays) -> bool:
+    return all(a.dtype == jnp.float32 for a in arrays)
+
+
 def resolve_impl(impl: str, x: jax.Array, scale: jax.Array, bias: jax.Array) -> str:
     """``"kernel"`` or ``"xla"``: what ``impl`` means for these operands here."""
     if impl not in IMPLS:
         raise ValueError(f"group_norm: impl={impl!r}; allowed {IMPLS}")
     if impl != "auto":
         return impl
-    float32 = all(a.dtype == jnp.float32 for a in (x, scale, bias))
     on_cpu = jax.default_backend() == "cpu"
-    return "kernel" if float32 and on_cpu and onednn.available() else "xla"
+    return "kernel" if _all_float32(x, scale, bias) and on_cpu and onednn.available() else "xla"
 
 
 def _forward(x, scale, bias, num_groups, epsilon, relu, impl):
@@ -149,7 +152,7 @@ def group_norm(x: jax.Array, scale: jax.Array, bias: jax.Array, num_groups: int,
         raise ValueError(f"group_norm: num_groups={num_groups} must divide the channels of an "
                          f"input [N, ..., C]; got shape {x.shape}")
     impl = resolve_impl(impl, x, scale, bias)
-    if impl == "kernel" and not all(a.dtype == jnp.float32 for a in (x, scale, bias)):
+    if impl == "kernel" and not _all_float32(x, scale, bias):
         raise ValueError("group_norm: impl='kernel' computes float32 only; got "
                          f"{x.dtype}, {scale.dtype}, {bias.dtype}")
     return _group_norm(x, scale, bias, num_groups, float(epsilon), bool(relu), impl)
