@@ -168,7 +168,7 @@ def test_a_setting_or_sweep_the_algorithm_does_not_read_is_refused(capsys, tmp_p
     sweep.write_text("algorithm: fedavg\nsweep:\n  key: fedrcl.beta\n  values: [0.5, 2]\n")
     assert main(["train", str(sweep), f"run_dir={tmp_path / 'c'}"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "sweep.key='fedrcl.beta': a sweep of a setting the algorithm " \
+    assert len(err) == 1 and "sweep.key='fedrcl.beta': a sweep of a setting the run " \
         "does not read trains identical runs; fedrcl.beta: algorithm fedavg does not" in err[0]
     both = tmp_path / "both.yaml"
     both.write_text("algorithm: fedavg\nfedrcl:\n  beta: 2.0\nmoon:\n  mu: 3.0\n")

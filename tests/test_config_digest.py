@@ -15,7 +15,8 @@ def test_digest_covers_the_sections_in_use_only():
     other_section = load_config(None, ["algorithm=fedrcl"], defaults={"moon": {"mu": 5.0}})
     assert other_section.moon.mu == 5.0
     assert config_digest(other_section) == config_digest(base)
-    assert config_digest(load_config(None, ["algorithm=fedrcl", "server.fedadam.tau=0.1"])) == \
+    assert config_digest(load_config(None, ["algorithm=fedrcl"],
+                                     defaults={"server": {"fedadam": {"tau": 0.1}}})) == \
         config_digest(base)
     assert config_digest(load_config(None, ["algorithm=fedrcl", "fedrcl.beta=2"])) != \
         config_digest(base)

@@ -173,10 +173,14 @@ def test_every_server_optimizer_builds_from_config_with_its_defaults(name):
     assert np.all(np.asarray(upd["w"]) < 0)  # a step toward the clients' mean
 
 
-def test_server_optimizer_sections_are_validated_with_field_names():
+def test_server_optimizer_sections_are_validated_with_field_names(tmp_path):
+    # Every section's values are checked, the unused ones too (a file may set them all: a
+    # run's config.yaml records every section; on the command line they are refused unread).
+    sections = tmp_path / "sections.yaml"
+    sections.write_text("server:\n  fedavgm:\n    beta: -0.1\n  fedacg:\n    lookahead: 2.0\n")
     with pytest.raises(ConfigError) as e:
-        _toy_cfg("server.optimizer=fedadam", "server.fedadam.b1=1.5", "server.fedadam.tau=0",
-                 "server.fedavgm.beta=-0.1", "server.fedacg.lookahead=2", "server.lr=-1")
+        load_config(str(sections), ["server.optimizer=fedadam", "server.fedadam.b1=1.5",
+                                    "server.fedadam.tau=0", "server.lr=-1"])
     msg = str(e.value)
     for field in ("server.fedadam.b1=1.5", "server.fedadam.tau=0.0",
                   "server.fedavgm.beta=-0.1", "server.fedacg.lookahead=2.0", "server.lr=-1.0"):
@@ -185,4 +189,35 @@ def test_server_optimizer_sections_are_validated_with_field_names():
         _toy_cfg("server.optimizer=sgd")
     with pytest.raises(ConfigError, match="server.fedadam.eps: unknown config key; allowed keys "
                                           "here: b1, b2, tau"):
-        _toy_cfg("server.fedadam.eps=1e-8")
+        _toy_cfg("server.optimizer=fedadam", "server.fedadam.eps=1e-8")
+
+
+def test_a_setting_of_a_server_optimizer_the_run_does_not_use_is_refused(tmp_path):
+    """``server.fedadam.tau=0.1`` with the default ``server.optimizer=fedavg`` was accepted and
+    changed nothing; on the command line (or as a sweep) it is refused with a line naming the
+    optimizer, what it reads and who reads the key. A file may still set every section."""
+    with pytest.raises(ConfigError) as e:
+        _toy_cfg("server.fedadam.tau=0.1", "server.fedavgm.beta=[0.2,0.4]")
+    assert e.value.problems == [
+        "server.fedadam.tau: server optimizer fedavg does not read it (it reads no section of "
+        "its own, only server.lr; server.fedadam.* is read by server.optimizer=fedadam)",
+        "server.fedavgm.beta: server optimizer fedavg does not read it (it reads no section "
+        "of its own, only server.lr; server.fedavgm.* is read by server.optimizer=fedavgm)"]
+    with pytest.raises(ConfigError) as e:
+        _toy_cfg("server.optimizer=fedavgm", "server.fedacg.beta=0.1")
+    assert e.value.problems == [
+        "server.fedacg.beta: server optimizer fedavgm does not read it (it reads: "
+        "server.fedavgm.beta; server.fedacg.* is read by server.optimizer=fedacg)"]
+    sweep = tmp_path / "sweep.yaml"
+    sweep.write_text("sweep:\n  key: server.fedadam.tau\n  values: [0.1, 0.01]\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(str(sweep), [])
+    assert len(e.value.problems) == 1 and e.value.problems[0].startswith(
+        "sweep.key='server.fedadam.tau': a sweep of a setting the run does not read "
+        "trains identical runs; server.fedadam.tau: server optimizer fedavg does not read it")
+    # What the run reads is accepted: its own section and server.lr, given in any order.
+    cfg = _toy_cfg("server.fedadam.tau=0.1", "server.lr=0.5", "server.optimizer=fedadam")
+    assert (cfg.server.optimizer, cfg.server.fedadam.tau, cfg.server.lr) == ("fedadam", 0.1, 0.5)
+    both = tmp_path / "both.yaml"
+    both.write_text("server:\n  optimizer: fedavgm\n  fedadam:\n    tau: 0.1\n")
+    assert load_config(str(both), []).server.fedadam.tau == 0.1

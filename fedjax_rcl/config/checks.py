@@ -42,23 +42,42 @@ def algorithm_reads(algorithm: str) -> str:
     return f"it reads: {keys}"
 
 
-def unread_settings(algorithm: str, keys) -> list[str]:
-    """One line per dotted key in an algorithm's section that ``algorithm`` does not read (the
-    section of another algorithm): a setting given for it, or a sweep of it, would change
-    nothing (``algorithm=fedavg 'fedrcl.beta=[0.5,2]'`` trained identical runs)."""
+def optimizer_reads(optimizer: str) -> str:
+    """What a server optimizer reads besides ``server.lr``, said for a refused key."""
+    entry = registry.SERVER_OPTIMIZERS.get(optimizer)
+    if entry is None or entry.config is None:
+        return "it reads no section of its own, only server.lr"
+    keys = ", ".join(f"server.{optimizer}.{f.name}" for f in dataclasses.fields(entry.config))
+    return f"it reads: {keys}"
+
+
+def unread_settings(algorithm: str, keys, optimizer: str | None = None) -> list[str]:
+    """One line per dotted key that the run does not read: a key in another algorithm's
+    section than ``algorithm``'s, or in another server optimizer's section
+    (``server.<name>.*``) than ``optimizer``'s. A setting given for it, or a sweep of it,
+    would change nothing (``algorithm=fedavg 'fedrcl.beta=[0.5,2]'`` trained identical runs;
+    ``server.fedadam.tau=0.1`` with ``server.optimizer=fedavg`` likewise). ``optimizer``
+    None (or not registered) checks the algorithm sections only."""
     entry = registry.ALGORITHMS.get(algorithm)
     own = entry.section if entry is not None else None
     readers: dict[str, list[str]] = {}
     for e in registry.ALGORITHMS.values():
         if e.section:
             readers.setdefault(e.section, []).append(e.name)
+    known_optimizer = optimizer in registry.SERVER_OPTIMIZERS
     problems = []
     for key in dict.fromkeys(keys):
-        section = key.split(".", 1)[0]
+        parts = key.split(".")
+        section = parts[0]
         if section in readers and section != own and entry is not None:
             who = ", ".join(f"algorithm={name}" for name in readers[section])
             problems.append(f"{key}: algorithm {algorithm} does not read it "
                             f"({algorithm_reads(algorithm)}; {section}.* is read by {who})")
+        elif (section == "server" and len(parts) >= 2 and known_optimizer
+              and parts[1] != optimizer and parts[1] in registry.SERVER_OPTIMIZERS):
+            problems.append(f"{key}: server optimizer {optimizer} does not read it "
+                            f"({optimizer_reads(optimizer)}; server.{parts[1]}.* is read by "
+                            f"server.optimizer={parts[1]})")
     return problems
 
 
@@ -95,9 +114,9 @@ def _validate_sweep(cfg: CoreConfig, p: list[str]) -> None:
         p.append(f"sweep.key={key!r}: must name a float setting, such as fedrcl.beta, alpha or "
                  "lr" + ("" if kind is None else f" ({key} is {kind})"))
         return
-    unread = unread_settings(cfg.algorithm, [key])
+    unread = unread_settings(cfg.algorithm, [key], cfg.server.optimizer)
     if unread:
-        p.append(f"sweep.key={key!r}: a sweep of a setting the algorithm does not read trains "
+        p.append(f"sweep.key={key!r}: a sweep of a setting the run does not read trains "
                  f"identical runs; {unread[0]}")
         return
     if key in SHAPE_SETTINGS:

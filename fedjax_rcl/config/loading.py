@@ -185,10 +185,11 @@ def load_config(path: str | None = None, overrides: list[str] | tuple[str, ...] 
     base = OmegaConf.structured(schema())
     given = [o.partition("=")[0].strip() for o in overrides]
     overrides = [_quote_string_value(o) for o in sweep_overrides(overrides)]
-    # Settings given on the command line that the chosen algorithm does not read are refused
-    # (a YAML file may set several algorithms' sections: a run's config.yaml records them all).
-    algorithm = _algorithm(base, layers, overrides)
-    unread = unread_settings(algorithm, given) if algorithm is not None else []
+    # Settings given on the command line that the chosen algorithm or server optimizer does not
+    # read are refused (a YAML file may set several algorithms' and server optimizers' sections:
+    # a run's config.yaml records them all).
+    algorithm, optimizer = _chosen(base, layers, overrides)
+    unread = unread_settings(algorithm, given, optimizer) if algorithm is not None else []
     if unread:
         raise ConfigError(unread)
     try:
@@ -212,13 +213,14 @@ def load_config(path: str | None = None, overrides: list[str] | tuple[str, ...] 
         raise ConfigError(problems or first.problems) from None
 
 
-def _algorithm(base, layers: list, overrides: list[str]) -> str | None:
-    """The algorithm the layers and overrides choose (None if they do not merge: the merge
-    proper then says why)."""
+def _chosen(base, layers: list, overrides: list[str]) -> tuple[str | None, str | None]:
+    """The algorithm and the server optimizer the layers and overrides choose (None, None if
+    they do not merge: the merge proper then says why)."""
     try:
-        return str(OmegaConf.merge(base, *layers, OmegaConf.from_dotlist(overrides)).algorithm)
+        merged = OmegaConf.merge(base, *layers, OmegaConf.from_dotlist(overrides))
+        return str(merged.algorithm), str(merged.server.optimizer)
     except OmegaConfBaseException:
-        return None
+        return None, None
 
 
 def _merged(base, layers: list, overrides: list[str], *, check: bool = True) -> CoreConfig:
