@@ -16,14 +16,20 @@ to stop at the end of the block in flight (the compiled rounds between two evalu
 one call; the state they start from was donated to it, so the last round whose state the host
 can hold is the block's last), where the loop saves that round and then stops with the same
 status and line (``requested``, ``stop``). A second signal ends the process at once, as
-anywhere outside the blocks. (The loop defers only in a single-process run: processes of a
+anywhere outside the blocks; but the same signal again within ``REPEAT_WINDOW_S`` of the first
+is the same request delivered twice, not a second one: GNU ``timeout`` sends its signal to the
+process and then to the whole process group, so a run under ``timeout -s INT`` receives two
+SIGINTs microseconds apart, and treating the copy as a second signal stopped it without
+saving. (The loop defers only in a single-process run: processes of a
 multi-process run would each stop at the block their own signal reached, leaving the others
 waiting in the next block's collectives.)
 
 For tests, ``FEDJAX_RCL_TEST_SIGNAL`` makes the process signal itself at a named moment, so
 that "killed during a save" is certain rather than hoped for: ``phase=saving,round=3,
 signal=KILL`` (``test_point``; phases ``compiling``, ``training``, ``evaluating``,
-``saving``, ``between``; ``times=2`` sends it twice). Unset, ``test_point`` does nothing.
+``saving``, ``between``; ``times=2`` sends it twice as a person would, the second after the
+watcher acted on the first and more than ``REPEAT_WINDOW_S`` later; ``burst=2`` sends it twice
+back to back, as ``timeout`` does). Unset, ``test_point`` does nothing.
 
 Usage (the command line does this)::
 
@@ -41,6 +47,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Iterator
 
 __all__ = ["critical", "install", "requested", "resume_status", "saving_on_request",
@@ -53,6 +60,10 @@ _installed = [False]
 _flags = threading.Lock()  # guards the two flags below between the watcher and the loop
 _deferring = [False]  # the run loop will save the round in flight on a request
 _requested: list[int | None] = [None]  # the first signal, while deferring
+_requested_at = [0.0]  # when the watcher read it (time.monotonic)
+# The same signal again sooner than this after the first is a copy of it (GNU timeout signals
+# the process, then its process group), not a person's second Ctrl-C.
+REPEAT_WINDOW_S = 0.5
 _received = threading.Event()  # the watcher has acted on a signal (for ``test_point``)
 TEST_SIGNAL_ENV = "FEDJAX_RCL_TEST_SIGNAL"
 PHASES = ("compiling", "training", "evaluating", "saving", "between")
@@ -91,27 +102,36 @@ def _exit_now(signum: int) -> None:
 
 
 def _watch(fd: int) -> None:
+    numbers = {int(sig) for sig in SIGNALS}
     while True:
-        data = os.read(fd, 1)
-        if not data or data[0] not in {int(s) for s in SIGNALS}:
-            continue
-        signum = data[0]
-        with _flags:
-            second = _requested[0] is not None
-            defer = _deferring[0] and not second
-            if defer:
-                _requested[0] = signum
-        if second:  # the second signal: at once, whatever is in progress
-            _exit_now(signum)
+        data = os.read(fd, 64)
+        now = time.monotonic()
+        # Bytes read together arrived together: one request per signal.
+        for signum in dict.fromkeys(b for b in data if b in numbers):
+            _on_signal(signum, now)
+
+
+def _on_signal(signum: int, now: float) -> None:
+    """What the watcher does with a signal read at ``now`` (``time.monotonic``)."""
+    with _flags:
+        first = _requested[0]
+        if first == signum and now - _requested_at[0] < REPEAT_WINDOW_S:
+            return  # the first request delivered twice
+        second = first is not None
+        defer = _deferring[0] and not second
         if defer:
-            name = signal.Signals(signum).name
-            os.write(2, f"\nfedjax-rcl: {name}: saving the round in progress, then stopping "
-                        "(a second SIGINT or SIGTERM stops at once)\n".encode())
-            _received.set()
-            continue
+            _requested[0], _requested_at[0] = signum, now
+    if second:  # the second signal: at once, whatever is in progress
+        _exit_now(signum)
+    if defer:
+        name = signal.Signals(signum).name
+        os.write(2, f"\nfedjax-rcl: {name}: saving the round in progress, then stopping "
+                    "(a second SIGINT or SIGTERM stops at once)\n".encode())
         _received.set()
-        with _lock:  # let a checkpoint or a metrics line in progress finish
-            _exit_now(signum)
+        return
+    _received.set()
+    with _lock:  # let a checkpoint or a metrics line in progress finish
+        _exit_now(signum)
 
 
 @contextlib.contextmanager
@@ -188,10 +208,14 @@ def test_point(phase: str, first: int | None = None, last: int | None = None) ->
         return
     plan["fired"] = True
     signum = getattr(signal, "SIG" + plan["signal"])
-    for _ in range(int(plan.get("times", 1))):
+    watched = signum in SIGNALS and _installed[0]
+    for i in range(int(plan.get("times", 1))):
+        if i and watched:  # a person's second signal: later than a repeat of the first
+            time.sleep(2 * REPEAT_WINDOW_S)
         _received.clear()
-        os.kill(os.getpid(), signum)
-        if signum in SIGNALS and _installed[0]:
+        for _ in range(int(plan.get("burst", 1))):
+            os.kill(os.getpid(), signum)
+        if watched:
             _received.wait(timeout=120)
 
 

@@ -149,6 +149,51 @@ def test_a_second_signal_stops_at_once_without_saving(reference, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["INT", "TERM"])
+def test_a_signal_sent_twice_at_once_is_one_request(reference, tmp_path, sig):
+    """GNU ``timeout`` sends its signal to the process and then to its process group: a run
+    under ``timeout -s INT`` received two SIGINTs microseconds apart and stopped at once,
+    without saving the rounds it had trained. The copy is one request: the round is saved."""
+    run = tmp_path / "run"
+    proc = _signalled(run, f"phase=training,round=5,signal={sig.name[3:]},burst=2")
+    assert proc.returncode == 128 + sig, proc.stderr[-3000:]
+    err = [line for line in proc.stderr.splitlines() if line]
+    assert err[-1] == (f"fedjax-rcl: {sig.name}: stopped; run_dir {run}: last complete "
+                       f"checkpoint: round 5; continue with: fedjax-rcl resume {run}"), err[-1]
+    assert saved_steps(run / "checkpoints")[-1] == 5
+    _resumes_to_the_reference(run, reference)
+
+
+def test_the_watcher_takes_a_copy_of_the_first_signal_as_the_same_request(monkeypatch):
+    """The decision alone, at given times: inside a block the first signal is a request; the
+    same signal within ``REPEAT_WINDOW_S`` is its copy (ignored); another signal, or the same
+    one later, stops at once."""
+    from fedjax_rcl import interrupts
+
+    class Exited(Exception):
+        pass
+
+    def exit_now(signum):  # as os._exit, it does not return
+        raise Exited(signum)
+
+    monkeypatch.setattr(interrupts, "_exit_now", exit_now)
+    monkeypatch.setattr(interrupts, "_deferring", [True])
+    monkeypatch.setattr(interrupts, "_requested", [None])
+    monkeypatch.setattr(interrupts, "_requested_at", [0.0])
+    window = interrupts.REPEAT_WINDOW_S
+    interrupts._on_signal(signal.SIGINT, 100.0)
+    assert interrupts.requested() == signal.SIGINT
+    interrupts._on_signal(signal.SIGINT, 100.0 + 0.9 * window)  # the copy: no exit
+    with pytest.raises(Exited) as e:  # another signal
+        interrupts._on_signal(signal.SIGTERM, 100.0 + 0.1 * window)
+    assert e.value.args == (signal.SIGTERM,)
+    with pytest.raises(Exited) as e:  # a person's second Ctrl-C
+        interrupts._on_signal(signal.SIGINT, 100.0 + 1.1 * window)
+    assert e.value.args == (signal.SIGINT,)
+    assert interrupts.requested() == signal.SIGINT  # the request stays the first one
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("hook, saved", [("phase=saving,round=3", 0),
                                          ("phase=saving,round=6", 3),
                                          ("phase=training,round=5", 3)],
