@@ -59,10 +59,18 @@ print(d.train_images.shape, d.mean, d.std)" || exit 1
 
 pids=()
 for name in $ONLY; do
-  # shellcheck disable=SC2086
-  timeout -s INT -k 30 "$SECONDS_PER_RUN" python3 -m fedjax_rcl train \
-    experiments/paper/cifar10_resnet18.yaml dataset=$DATA ${RUNS[$name]} \
-    checkpoint_every=1000 run_dir=/tmp/runs/$name $EXTRA --no-progress > "$OUT/$name.log" 2>&1 &
+  # A run stopped at the end of an earlier call (SIGINT saves the round it reached) resumes
+  # here on the same warm machine; a fresh machine has no /tmp/runs and starts it anew.
+  if [ -d "/tmp/runs/$name/checkpoints" ]; then
+    echo "$name: resuming /tmp/runs/$name"
+    timeout -s INT -k 30 "$SECONDS_PER_RUN" python3 -m fedjax_rcl resume /tmp/runs/$name \
+      --no-progress >> "$OUT/$name.log" 2>&1 &
+  else
+    # shellcheck disable=SC2086
+    timeout -s INT -k 30 "$SECONDS_PER_RUN" python3 -m fedjax_rcl train \
+      experiments/paper/cifar10_resnet18.yaml dataset=$DATA ${RUNS[$name]} \
+      checkpoint_every=1000 run_dir=/tmp/runs/$name $EXTRA --no-progress > "$OUT/$name.log" 2>&1 &
+  fi
   pids+=($!)
 done
 wait "${pids[@]}"  # (a bare `wait` would also wait for the tee above, forever)
