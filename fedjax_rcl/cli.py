@@ -260,6 +260,7 @@ def _config(args: list[str]) -> int:
 
 
 def _suite(args) -> int:
+    import shlex
     from pathlib import Path
 
     from fedjax_rcl import suite
@@ -269,6 +270,13 @@ def _suite(args) -> int:
     if args.action == "run":
         if args.chunk < 1:
             raise ConfigError([f"--chunk {args.chunk}: must be >= 1"])
+        from fedjax_rcl import interrupts
+
+        again = shlex.join(["fedjax-rcl", "suite", "run", args.suite, "--chunk",
+                            str(args.chunk), *(["--only", *args.only] if args.only else [])])
+        interrupts.set_status(f"suite {args.suite}: each run keeps its last complete "
+                              f"checkpoint (a stopped run's line above names it); continue "
+                              f"with: {again}")
         suite.run(spec, args.chunk, args.only)
     else:
         out = Path(args.out) if args.out else Path("experiments/results") / Path(args.suite).stem

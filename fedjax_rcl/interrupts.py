@@ -50,8 +50,8 @@ import threading
 import time
 from collections.abc import Iterator
 
-__all__ = ["critical", "install", "requested", "resume_status", "saving_on_request",
-           "set_status", "stop", "test_point", "work_done"]
+__all__ = ["critical", "forwarding_to", "install", "requested", "resume_status",
+           "saving_on_request", "set_status", "stop", "test_point", "work_done"]
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 _lock = threading.RLock()  # held by the main thread around critical sections
@@ -64,6 +64,7 @@ _requested_at = [0.0]  # when the watcher read it (time.monotonic)
 # The same signal again sooner than this after the first is a copy of it (GNU timeout signals
 # the process, then its process group), not a person's second Ctrl-C.
 REPEAT_WINDOW_S = 0.5
+_child: list[int | None] = [None]  # a child command's pid while this process waits for it
 _received = threading.Event()  # the watcher has acted on a signal (for ``test_point``)
 TEST_SIGNAL_ENV = "FEDJAX_RCL_TEST_SIGNAL"
 PHASES = ("compiling", "training", "evaluating", "saving", "between")
@@ -117,10 +118,18 @@ def _on_signal(signum: int, now: float) -> None:
         first = _requested[0]
         if first == signum and now - _requested_at[0] < REPEAT_WINDOW_S:
             return  # the first request delivered twice
+        child = _child[0]
+        if child is not None and first is None:
+            _requested[0], _requested_at[0] = signum, now
         second = first is not None
         defer = _deferring[0] and not second
         if defer:
             _requested[0], _requested_at[0] = signum, now
+    if child is not None:  # passed on; this process stops once the child has
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(child, signum)
+        _received.set()
+        return
     if second:  # the second signal: at once, whatever is in progress
         _exit_now(signum)
     if defer:
@@ -149,6 +158,24 @@ def saving_on_request() -> Iterator[None]:
             pending = _requested[0]
         if pending is not None:
             stop()
+
+
+@contextlib.contextmanager
+def forwarding_to(pid: int) -> Iterator[None]:
+    """While this process waits for a child command (``suite run``'s runs): a signal is passed
+    on to the child, which saves the round it reaches and stops as any run does (the copy it
+    may also have had from the process group is one request to it, ``REPEAT_WINDOW_S``; a
+    second signal stops it at once), and this process does not stop by itself: once the
+    child has ended, the caller calls ``stop`` if ``requested``. Without it, a ``suite run``
+    stopped by Ctrl-C or ``timeout`` printed "nothing was written" and ended before its run
+    had saved; and a signal sent to the suite's process alone never reached the run."""
+    with _flags:
+        _child[0] = pid
+    try:
+        yield
+    finally:
+        with _flags:
+            _child[0] = None
 
 
 def requested() -> int | None:

@@ -40,6 +40,7 @@ from pathlib import Path
 
 import yaml
 
+from fedjax_rcl import interrupts
 from fedjax_rcl.checkpoint import saved_steps
 from fedjax_rcl.loop import TrainingError
 from fedjax_rcl.validation import ConfigError
@@ -107,9 +108,20 @@ def _command(suite: dict, name: str, target: int) -> list[str]:
             f"run_dir={run_dir}", "--no-progress"]
 
 
+def _run_child(argv: list[str]) -> int:
+    """One run's command as a child process, the exit status; a SIGINT or SIGTERM meanwhile
+    is passed on to it (``interrupts.forwarding_to``), so the run saves the round it reaches
+    whether the signal went to the suite's process or to its whole process group."""
+    proc = subprocess.Popen(argv)
+    with interrupts.forwarding_to(proc.pid):
+        return proc.wait()
+
+
 def run(suite: dict, chunk: int, only: list[str] | None = None) -> None:
     """Advances every run (or those named in ``only``) by ``chunk`` rounds at a time, the
-    run furthest behind first, until all reach the suite's ``rounds``.
+    run furthest behind first, until all reach the suite's ``rounds``. A SIGINT or SIGTERM
+    (under the command line's ``interrupts``) reaches the run in progress, which saves the
+    round it reaches; then the suite stops too.
 
     Raises:
       ConfigError: ``only`` names a run the suite does not have.
@@ -132,7 +144,9 @@ def run(suite: dict, chunk: int, only: list[str] | None = None) -> None:
         print(f"[{time.strftime('%H:%M:%S')}] {name}: {done} -> {target}: {shlex.join(cmd)}",
               flush=True)
         # The command records itself in RUN_DIR/commands.txt and environment.jsonl.
-        status = subprocess.run([sys.executable, "-m", "fedjax_rcl", *cmd[1:]]).returncode
+        status = _run_child([sys.executable, "-m", "fedjax_rcl", *cmd[1:]])
+        if interrupts.requested() is not None:  # the run saved its round and stopped
+            interrupts.stop()
         if status != 0:
             raise TrainingError(f"{name}: exit status {status}; stopping the suite")
 

@@ -70,9 +70,9 @@ def test_run_advances_the_run_furthest_behind(tmp_path, monkeypatch):
         run_dir.mkdir(parents=True, exist_ok=True)
         _write_run_append(run_dir, target)
         (run_dir / "config.yaml").write_text("{}")
-        return type("Done", (), {"returncode": 0})()
+        return 0
 
-    monkeypatch.setattr(suite_tool.subprocess, "run", fake_run)
+    monkeypatch.setattr(suite_tool, "_run_child", fake_run)
     suite_tool.run(suite, chunk=10, only=None)
     runs = [Path(c[2]).name if c[1] == "resume" else "b" for c in calls]
     steps = [(c[1], next(x for x in c if x.startswith("rounds="))) for c in calls]
@@ -159,3 +159,63 @@ def test_rounds_done_counts_from_the_newest_whole_checkpoint(tmp_path):
     (run_dir / "checkpoints" / "28").mkdir()
     assert suite_tool.rounds_done(run_dir) == 27
     assert suite_tool.rounds_done(tmp_path / "absent") == 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("to", ["the suite's process", "its process group"])
+def test_a_signal_to_a_suite_saves_the_run_in_progress_and_stops_the_suite(tmp_path, to):
+    """``suite run`` under Ctrl-C or ``timeout`` (the process group) said "nothing was
+    written" and ended before its run had saved; a signal to the suite's process alone never
+    reached the run. Now the signal reaches the run, which saves the round it reaches, and the
+    suite stops after it with a line saying how to continue; ``suite run`` again continues
+    every run, each recorded round once. The signal is sent once the run has recorded round 3
+    (read from its metrics, not timed) of the 200 it was asked for."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    import yaml
+
+    from fedjax_rcl.checkpoint import saved_steps
+
+    (tmp_path / "base.yaml").write_text("dataset: digits\nnum_clients: 8\nparticipation: 0.5\n"
+                                        "local_epochs: 1\nrounds: 200\ncheckpoint_every: 50\n")
+    spec = {"base": str(tmp_path / "base.yaml"), "runs_dir": str(tmp_path / "runs"),
+            "rounds": 200, "report_rounds": [10], "runs": {"a": ["algorithm=fedavg"],
+                                                            "b": ["algorithm=fedavg"]}}
+    path = tmp_path / "suite.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    cmd = [sys.executable, "-m", "fedjax_rcl", "suite", "run", str(path), "--chunk", "200"]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    run = tmp_path / "runs" / "a"
+    deadline = time.monotonic() + 600
+    while suite_tool.rounds_done(run) < 3 and proc.poll() is None:
+        assert time.monotonic() < deadline, "the run never reached round 3"
+        time.sleep(0.05)
+    if to == "its process group":
+        os.killpg(proc.pid, signal.SIGINT)
+    else:
+        proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 130, err[-3000:]
+    lines = [line for line in err.splitlines() if line]
+    saved = saved_steps(run / "checkpoints")[-1]
+    assert 3 <= saved < 200
+    assert lines[-2] == (f"fedjax-rcl: SIGINT: stopped; run_dir {run}: last complete "
+                         f"checkpoint: round {saved}; continue with: fedjax-rcl resume {run}")
+    assert lines[-1] == (f"fedjax-rcl: SIGINT: stopped; suite {path}: each run keeps its last "
+                         "complete checkpoint (a stopped run's line above names it); continue "
+                         f"with: fedjax-rcl suite run {path} --chunk 200")
+    assert suite_tool.rounds_done(run) == saved  # every recorded round is saved
+    assert not (tmp_path / "runs" / "b").exists()  # the suite stopped
+    # Continued (to 2 rounds past the stop, to keep the test short): each round once.
+    path.write_text(yaml.safe_dump({**spec, "rounds": saved + 2}))
+    again = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    assert again.returncode == 0, again.stderr[-3000:]
+    for name in ("a", "b"):
+        rounds = [json.loads(x)["round"] for x in
+                  (tmp_path / "runs" / name / "metrics.jsonl").read_text().splitlines()]
+        assert rounds == list(range(1, saved + 3))
