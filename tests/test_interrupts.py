@@ -207,3 +207,28 @@ def test_sigkill_during_a_save_or_a_round_resumes_to_the_same_result(reference, 
         assert any("tmp" in p.name for p in (run / "checkpoints").iterdir())
     assert saved_steps(run / "checkpoints")[-1] == saved
     _resumes_to_the_reference(run, reference)
+
+
+def test_while_a_child_command_runs_signals_are_passed_on_not_acted_on(monkeypatch):
+    """``suite run`` waiting for a run: each signal goes on to the child (a copy of the first,
+    within ``REPEAT_WINDOW_S``, once), this process records the request and does not exit."""
+    from fedjax_rcl import interrupts
+
+    sent = []
+
+    def exit_now(signum):
+        raise AssertionError(f"exited on {signum}")
+
+    monkeypatch.setattr(interrupts, "_exit_now", exit_now)
+    monkeypatch.setattr(interrupts.os, "kill", lambda pid, signum: sent.append((pid, signum)))
+    monkeypatch.setattr(interrupts, "_deferring", [False])
+    monkeypatch.setattr(interrupts, "_requested", [None])
+    monkeypatch.setattr(interrupts, "_requested_at", [0.0])
+    window = interrupts.REPEAT_WINDOW_S
+    with interrupts.forwarding_to(4242):
+        interrupts._on_signal(signal.SIGINT, 100.0)
+        interrupts._on_signal(signal.SIGINT, 100.0 + 0.5 * window)  # timeout's copy
+        interrupts._on_signal(signal.SIGINT, 100.0 + 2 * window)  # a second Ctrl-C
+    assert sent == [(4242, signal.SIGINT), (4242, signal.SIGINT)]
+    assert interrupts.requested() == signal.SIGINT
+    assert interrupts._child == [None]  # left when the child has ended
