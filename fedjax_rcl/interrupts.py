@@ -119,10 +119,8 @@ def _on_signal(signum: int, now: float) -> None:
         if first == signum and now - _requested_at[0] < REPEAT_WINDOW_S:
             return  # the first request delivered twice
         child = _child[0]
-        if child is not None and first is None:
-            _requested[0], _requested_at[0] = signum, now
         second = first is not None
-        defer = _deferring[0] and not second
+        defer = (_deferring[0] or child is not None) and not second
         if defer:
             _requested[0], _requested_at[0] = signum, now
     if child is not None:  # passed on; this process stops once the child has
