@@ -20,6 +20,9 @@
 #   # not yet timed):
 #   ONLY=fedavg SECONDS_PER_RUN=480 EXTRA="precision=bf16 rounds=500" \
 #     bash experiments/paper_resnet18_gpu/device_paper_resnet18.sh
+#   # A run stopped by the call's end (SIGINT: it saves the round it reached) resumes when the
+#   # same command runs again on the same warm machine; another EXTRA (seed=1, alpha=0.1) is
+#   # another run directory, so it starts anew.
 #
 # The data: the team's CIFAR-10 zip, a JPEG re-encoding of CIFAR-10 (32x32 JPEG files, quality
 # 75 with 4:2:0 chroma subsampling), not the lossless binary release. The tar.xz holds the
@@ -57,25 +60,29 @@ DATA=imagefolder:/tmp/cifar10
 python3 -c "from fedjax_rcl.data.sources import load_dataset as l; d = l('$DATA'); \
 print(d.train_images.shape, d.mean, d.std)" || exit 1
 
+# Each run's directory is named by the run and EXTRA, so that another seed or alpha on the same
+# machine is a new run, never the resumption of an earlier one.
+run_dir() { echo "/tmp/runs/$1$(printf '%s' "${EXTRA:+ $EXTRA}" | tr ' /' '_-')"; }
 pids=()
 for name in $ONLY; do
+  dir=$(run_dir "$name")
   # A run stopped at the end of an earlier call (SIGINT saves the round it reached) resumes
   # here on the same warm machine; a fresh machine has no /tmp/runs and starts it anew.
-  if [ -d "/tmp/runs/$name/checkpoints" ]; then
-    echo "$name: resuming /tmp/runs/$name"
-    timeout -s INT -k 30 "$SECONDS_PER_RUN" python3 -m fedjax_rcl resume /tmp/runs/$name \
+  if [ -d "$dir/checkpoints" ]; then
+    echo "$name: resuming $dir"
+    timeout -s INT -k 30 "$SECONDS_PER_RUN" python3 -m fedjax_rcl resume "$dir" \
       --no-progress >> "$OUT/$name.log" 2>&1 &
   else
     # shellcheck disable=SC2086
     timeout -s INT -k 30 "$SECONDS_PER_RUN" python3 -m fedjax_rcl train \
       experiments/paper/cifar10_resnet18.yaml dataset=$DATA ${RUNS[$name]} \
-      checkpoint_every=1000 run_dir=/tmp/runs/$name $EXTRA --no-progress > "$OUT/$name.log" 2>&1 &
+      checkpoint_every=1000 run_dir="$dir" $EXTRA --no-progress > "$OUT/$name.log" 2>&1 &
   fi
   pids+=($!)
 done
 wait "${pids[@]}"  # (a bare `wait` would also wait for the tee above, forever)
 for name in $ONLY; do
-  cp /tmp/runs/$name/metrics.jsonl "$OUT/$name.jsonl"
+  cp "$(run_dir "$name")/metrics.jsonl" "$OUT/$name.jsonl"
   tail -n 3 "$OUT/$name.log"
 done
 python3 - "$OUT" <<'EOF'
