@@ -135,9 +135,11 @@ def main(argv: list[str] | None = None) -> int:
         # (Before this point -- the interpreter starting -- the signal's default action ends
         # the process, which shells also report as 130/143.) Once the command returns, they
         # are ignored while the interpreter shuts down (`interrupts.work_done`).
-        from fedjax_rcl import interrupts
+        from fedjax_rcl import console, interrupts
 
         interrupts.install()
+        # `fedjax-rcl train | head` closes the pipe: the command goes on (fedjax_rcl.console).
+        console.keep_going_without_readers()
         try:
             return _command(argv)
         finally:

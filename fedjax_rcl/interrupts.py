@@ -98,8 +98,16 @@ def _exit_now(signum: int) -> None:
         with contextlib.suppress(Exception):
             stream.flush()
     name = signal.Signals(signum).name
-    os.write(2, f"\nfedjax-rcl: {name}: stopped; {_status[0]}\n".encode())
+    _say(f"\nfedjax-rcl: {name}: stopped; {_status[0]}\n")
     os._exit(128 + signum)
+
+
+def _say(text: str) -> None:
+    """A line on standard error, straight to its file descriptor (the watcher may not wait
+    for Python's stream); lost, not raised, when no one reads it any more (a closed pipe must
+    not keep the process from stopping)."""
+    with contextlib.suppress(OSError):
+        os.write(2, text.encode())
 
 
 def _watch(fd: int) -> None:
@@ -132,8 +140,8 @@ def _on_signal(signum: int, now: float) -> None:
         _exit_now(signum)
     if defer:
         name = signal.Signals(signum).name
-        os.write(2, f"\nfedjax-rcl: {name}: saving the round in progress, then stopping "
-                    "(a second SIGINT or SIGTERM stops at once)\n".encode())
+        _say(f"\nfedjax-rcl: {name}: saving the round in progress, then stopping "
+             "(a second SIGINT or SIGTERM stops at once)\n")
         _received.set()
         return
     _received.set()
