@@ -17,14 +17,20 @@ Usage (the command line does this)::
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import sys
 
 __all__ = ["keep_going_without_readers"]
 
+# A pipe without a reader (EPIPE), and a terminal that has gone (EIO: the ssh session dropped;
+# the run saves and stops on the SIGHUP that comes with it, ``fedjax_rcl.interrupts``).
+_READER_GONE = (errno.EPIPE, errno.EIO)
+
 
 class _Tolerant:
-    """A text stream that, once a write or flush meets a closed pipe, discards what follows."""
+    """A text stream that, once a write or flush meets a closed pipe or a terminal that has
+    gone, discards what follows."""
 
     def __init__(self, stream, name: str, notify) -> None:
         self._stream = stream
@@ -44,7 +50,9 @@ class _Tolerant:
         if not self.gone:
             try:
                 return self._stream.write(text)
-            except BrokenPipeError:
+            except OSError as e:
+                if e.errno not in _READER_GONE:
+                    raise
                 self._lost()
         return len(text)
 
@@ -52,7 +60,9 @@ class _Tolerant:
         if not self.gone:
             try:
                 self._stream.flush()
-            except BrokenPipeError:
+            except OSError as e:
+                if e.errno not in _READER_GONE:
+                    raise
                 self._lost()
         else:  # what the buffer held when the pipe closed goes to /dev/null
             with contextlib.suppress(OSError, ValueError):

@@ -1,5 +1,8 @@
 """Clean interrupts: SIGINT or SIGTERM at any moment ends a command with status 130 or 143, one
-line naming the last complete checkpoint and the exact resume command, and no traceback.
+line naming the last complete checkpoint and the exact resume command, and no traceback. So
+does SIGHUP (status 129: the terminal closed, an ssh session dropped), unless the process
+started with it ignored (``nohup``), which stays so: its default action killed the process
+at once, losing the rounds done since the last checkpoint.
 
 Why not Python's default ``KeyboardInterrupt``: it is raised only when the main thread returns
 to the interpreter, so during a long XLA compile or a fused call it arrives late or is
@@ -53,7 +56,9 @@ from collections.abc import Iterator
 __all__ = ["critical", "forwarding_to", "install", "requested", "resume_status",
            "saving_on_request", "set_status", "stop", "test_point", "work_done"]
 
-SIGNALS = (signal.SIGINT, signal.SIGTERM)
+SIGNALS = (signal.SIGINT, signal.SIGTERM)  # always handled once installed
+HANGUP = signal.SIGHUP  # handled unless ignored when the process started (nohup)
+_handled: list[int] = []  # what ``install`` routes to the watcher
 _lock = threading.RLock()  # held by the main thread around critical sections
 _status = ["interrupted before the run started; nothing was written"]
 _installed = [False]
@@ -111,7 +116,7 @@ def _say(text: str) -> None:
 
 
 def _watch(fd: int) -> None:
-    numbers = {int(sig) for sig in SIGNALS}
+    numbers = {int(sig) for sig in _handled}
     while True:
         data = os.read(fd, 64)
         now = time.monotonic()
@@ -203,7 +208,7 @@ def _test_plan() -> dict | None:
     plan = dict(item.split("=", 1) for item in text.split(",") if item)
     if plan.get("phase") not in PHASES or "signal" not in plan:
         raise ValueError(f"{TEST_SIGNAL_ENV}={text!r}: phase= one of {', '.join(PHASES)}, "
-                         "signal= INT, TERM or KILL, optional round= and times=")
+                         "signal= INT, TERM, HUP or KILL, optional round=, times= and burst=")
     return plan
 
 
@@ -241,7 +246,7 @@ def test_point(phase: str, first: int | None = None, last: int | None = None) ->
         return
     plan["fired"] = True
     signum = getattr(signal, "SIG" + plan["signal"])
-    watched = signum in SIGNALS and _installed[0]
+    watched = signum in _handled
     for i in range(int(plan.get("times", 1))):
         if i and watched:  # a person's second signal: later than a repeat of the first
             time.sleep(2 * REPEAT_WINDOW_S)
@@ -253,13 +258,15 @@ def test_point(phase: str, first: int | None = None, last: int | None = None) ->
 
 
 def install() -> None:
-    """Routes SIGINT and SIGTERM to the watcher (main thread only; idempotent)."""
+    """Routes SIGINT, SIGTERM and (unless it is ignored) SIGHUP to the watcher (main thread
+    only; idempotent)."""
     if _installed[0] or threading.current_thread() is not threading.main_thread():
         return
     read_fd, write_fd = os.pipe()
     os.set_blocking(write_fd, False)
     signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
-    for s in SIGNALS:
+    _handled[:] = [*SIGNALS, *([HANGUP] if signal.getsignal(HANGUP) == signal.SIG_DFL else [])]
+    for s in _handled:
         # A Python-level handler must exist for the C handler to write the wakeup byte; the
         # watcher thread does the work, so this one only keeps KeyboardInterrupt away.
         signal.signal(s, lambda signum, frame: None)
@@ -269,7 +276,7 @@ def install() -> None:
 
 
 def work_done() -> None:
-    """The command's work is over and on disk: SIGINT and SIGTERM are ignored from here on,
+    """The command's work is over and on disk: the handled signals are ignored from here on,
     while the interpreter shuts down, so that the exit status is the command's own.
 
     Why: CPython's finalisation first stops daemon threads (the watcher can no longer run),
@@ -281,5 +288,5 @@ def work_done() -> None:
     (exit -15, the run directory complete)."""
     if not _installed[0] or threading.current_thread() is not threading.main_thread():
         return
-    for s in SIGNALS:
+    for s in _handled:
         signal.signal(s, signal.SIG_IGN)

@@ -83,11 +83,11 @@ def reference(tmp_path_factory):
     return _metrics(run), load_run(run)[1]
 
 
-def _signalled(run, plan):
+def _signalled(run, plan, prefix=()):
     """``fedjax-rcl train`` that signals itself as ``plan`` says (the CLI process itself:
-    its handlers are installed only there)."""
+    its handlers are installed only there), run by ``prefix`` (``nohup``) if given."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "FEDJAX_RCL_TEST_SIGNAL": plan}
-    return subprocess.run([sys.executable, "-m", "fedjax_rcl", "train", *ARGS,
+    return subprocess.run([*prefix, sys.executable, "-m", "fedjax_rcl", "train", *ARGS,
                            f"run_dir={run}", "--no-progress"], env=env, capture_output=True,
                           text=True, timeout=600)
 
@@ -162,6 +162,25 @@ def test_a_signal_sent_twice_at_once_is_one_request(reference, tmp_path, sig):
                        f"checkpoint: round 5; continue with: fedjax-rcl resume {run}"), err[-1]
     assert saved_steps(run / "checkpoints")[-1] == 5
     _resumes_to_the_reference(run, reference)
+
+
+@pytest.mark.slow
+def test_a_hangup_saves_the_round_unless_the_run_was_started_under_nohup(reference, tmp_path):
+    """SIGHUP (the terminal closed, an ssh session dropped) killed the run at once, losing the
+    rounds since the last checkpoint; now it saves the round in flight as SIGTERM does (status
+    129). A process started with SIGHUP ignored (``nohup``) keeps ignoring it."""
+    run = tmp_path / "run"
+    proc = _signalled(run, "phase=training,round=5,signal=HUP")
+    assert proc.returncode == 129, proc.stderr[-3000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last == (f"fedjax-rcl: SIGHUP: stopped; run_dir {run}: last complete checkpoint: "
+                    f"round 5; continue with: fedjax-rcl resume {run}"), last
+    assert saved_steps(run / "checkpoints")[-1] == 5
+    _resumes_to_the_reference(run, reference)
+    under_nohup = tmp_path / "nohup"
+    proc = _signalled(under_nohup, "phase=training,round=5,signal=HUP", prefix=["nohup"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert _metrics(under_nohup) == reference[0]  # the whole run, as if never signalled
 
 
 def test_the_watcher_takes_a_copy_of_the_first_signal_as_the_same_request(monkeypatch):
