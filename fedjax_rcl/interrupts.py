@@ -194,11 +194,12 @@ def requested() -> int | None:
     return _requested[0]
 
 
-def stop() -> None:
-    """Ends the process as the requested signal asks (``128 + signal``), with the status line;
-    the caller has saved what it holds."""
+def stop(signum: int | None = None) -> None:
+    """Ends the process as the requested signal (or ``signum``, a signal another process was
+    stopped by) asks (``128 + signal``), with the status line; the caller has saved what it
+    holds."""
     with _lock:
-        _exit_now(_requested[0] or signal.SIGINT)
+        _exit_now(_requested[0] or signum or signal.SIGINT)
 
 
 def _test_plan() -> dict | None:

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import json
 import shlex
+import signal
 import subprocess
 import sys
 import time
@@ -108,6 +109,10 @@ def _command(suite: dict, name: str, target: int) -> list[str]:
             f"run_dir={run_dir}", "--no-progress"]
 
 
+# The exit statuses of a run stopped by a signal after saving (``fedjax_rcl.interrupts``).
+_STOPPING = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
 def _run_child(argv: list[str]) -> int:
     """One run's command as a child process, the exit status; a SIGINT or SIGTERM meanwhile
     is passed on to it (``interrupts.forwarding_to``), so the run saves the round it reaches
@@ -121,7 +126,8 @@ def run(suite: dict, chunk: int, only: list[str] | None = None) -> None:
     """Advances every run (or those named in ``only``) by ``chunk`` rounds at a time, the
     run furthest behind first, until all reach the suite's ``rounds``. A SIGINT or SIGTERM
     (under the command line's ``interrupts``) reaches the run in progress, which saves the
-    round it reaches; then the suite stops too.
+    round it reaches; then the suite stops too, as it does when a signal sent to the run alone
+    stopped it.
 
     Raises:
       ConfigError: ``only`` names a run the suite does not have.
@@ -147,6 +153,9 @@ def run(suite: dict, chunk: int, only: list[str] | None = None) -> None:
         status = _run_child([sys.executable, "-m", "fedjax_rcl", *cmd[1:]])
         if interrupts.requested() is not None:  # the run saved its round and stopped
             interrupts.stop()
+        stopped_by = {128 + int(s): s for s in _STOPPING}.get(status)
+        if stopped_by is not None:  # a signal sent to the run alone: it saved and stopped
+            interrupts.stop(stopped_by)
         if status != 0:
             raise TrainingError(f"{name}: exit status {status}; stopping the suite")
 

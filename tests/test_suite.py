@@ -85,6 +85,35 @@ def test_run_advances_the_run_furthest_behind(tmp_path, monkeypatch):
     assert not (tmp_path / "runs" / "b" / "commands.txt").exists()
 
 
+@pytest.mark.parametrize("status, stopped_by", [(130, "SIGINT"), (143, "SIGTERM"),
+                                                 (129, "SIGHUP"), (1, None)])
+def test_a_run_stopped_by_a_signal_of_its_own_stops_the_suite_as_a_signal(
+        tmp_path, monkeypatch, status, stopped_by):
+    """A run signalled alone (its pid, not the suite's) saves its round and exits 128 + the
+    signal: the suite stops as if signalled itself (that status, its line), not as a failed
+    run ("exit status 143; stopping the suite", exit 1). Other failures stay failures."""
+    import signal
+
+    from fedjax_rcl import interrupts
+    from fedjax_rcl.loop import TrainingError
+
+    class Stopped(Exception):
+        pass
+
+    def stop(signum=None):
+        raise Stopped(signum)
+
+    monkeypatch.setattr(interrupts, "stop", stop)
+    monkeypatch.setattr(suite_tool, "_run_child", lambda argv: status)
+    if stopped_by is None:
+        with pytest.raises(TrainingError, match="a: exit status 1; stopping the suite"):
+            suite_tool.run(_suite(tmp_path), chunk=10, only=["a"])
+        return
+    with pytest.raises(Stopped) as e:
+        suite_tool.run(_suite(tmp_path), chunk=10, only=["a"])
+    assert e.value.args == (getattr(signal, stopped_by),)
+
+
 def _write_run_append(run_dir: Path, target: int) -> None:
     path = run_dir / "metrics.jsonl"
     done = suite_tool.rounds_done(run_dir)
