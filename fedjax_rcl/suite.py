@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import json
 import shlex
-import signal
 import subprocess
 import sys
 import time
@@ -109,14 +108,14 @@ def _command(suite: dict, name: str, target: int) -> list[str]:
             f"run_dir={run_dir}", "--no-progress"]
 
 
-# The exit statuses of a run stopped by a signal after saving (``fedjax_rcl.interrupts``).
-_STOPPING = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+# A run stopped by one of these signals after saving exits with 128 + it.
+_STOPPING = {128 + int(s): s for s in (*interrupts.SIGNALS, interrupts.HANGUP)}
 
 
 def _run_child(argv: list[str]) -> int:
-    """One run's command as a child process, the exit status; a SIGINT or SIGTERM meanwhile
-    is passed on to it (``interrupts.forwarding_to``), so the run saves the round it reaches
-    whether the signal went to the suite's process or to its whole process group."""
+    """One run's command as a child process, the exit status; a signal meanwhile is passed
+    on to it (``interrupts.forwarding_to``), so the run saves the round it reaches whether
+    the signal went to the suite's process or to its whole process group."""
     proc = subprocess.Popen(argv)
     with interrupts.forwarding_to(proc.pid):
         return proc.wait()
@@ -151,10 +150,10 @@ def run(suite: dict, chunk: int, only: list[str] | None = None) -> None:
               flush=True)
         # The command records itself in RUN_DIR/commands.txt and environment.jsonl.
         status = _run_child([sys.executable, "-m", "fedjax_rcl", *cmd[1:]])
-        if interrupts.requested() is not None:  # the run saved its round and stopped
-            interrupts.stop()
-        stopped_by = {128 + int(s): s for s in _STOPPING}.get(status)
-        if stopped_by is not None:  # a signal sent to the run alone: it saved and stopped
+        # The run saved its round and stopped on a signal: ours (passed on), or one sent to
+        # it alone (its exit status says which).
+        stopped_by = _STOPPING.get(status)
+        if interrupts.requested() is not None or stopped_by is not None:
             interrupts.stop(stopped_by)
         if status != 0:
             raise TrainingError(f"{name}: exit status {status}; stopping the suite")

@@ -175,10 +175,7 @@ class GroupNorm(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array, relu: bool = False) -> jax.Array:
         """The normalised ``x``; with ``relu``, ``max(·, 0)`` of it in the same passes."""
-        channels = x.shape[-1]
-        if x.ndim < 2 or self.num_groups <= 0 or channels % self.num_groups:
-            raise ValueError(f"GroupNorm: num_groups={self.num_groups} must divide the "
-                             f"channels of an input [N, ..., C]; got shape {x.shape}")
+        channels = x.shape[-1]  # group_norm checks that num_groups divides them
         scale = self.param("scale", nn.initializers.ones, (channels,), self.param_dtype)
         bias = self.param("bias", nn.initializers.zeros, (channels,), self.param_dtype)
         return group_norm(x, scale, bias, self.num_groups, self.epsilon, relu)
