@@ -37,6 +37,7 @@ from fedjax_rcl.engine.evaluate import make_evaluate
 from fedjax_rcl.engine.round import (
     ServerState,
     clients_per_round,
+    cohort_layout,
     init_key,
     init_server_state,
     make_round,
@@ -45,6 +46,7 @@ from fedjax_rcl.engine.sharding import client_mesh, put_replicated
 from fedjax_rcl.engine.tables import Advance, ClientTable, client_table
 from fedjax_rcl.models import ModelFns, get_model, input_size_problem, model_fns
 from fedjax_rcl.models.base import with_precision
+from fedjax_rcl.nn import resolve_conv_impl
 from fedjax_rcl.server import ServerOptimizer, server_optimizer
 from fedjax_rcl.validation import ConfigError
 
@@ -155,6 +157,15 @@ def clients_in_parallel(cfg: CoreConfig, step_gflop: float,
     return None if layout.side_by_side(step_gflop, platform or jax.default_backend()) else 1
 
 
+def training_conv_impl(conv_impl: str, clients_per_round: int, devices: int,
+                       in_parallel: int | None, platform: str | None = None) -> str:
+    """The convolutions local training runs: ``conv_impl`` resolved for the round's layout
+    (``nn.resolve_conv_impl``), whose weights carry a client axis when more than one client
+    trains side by side on a device (``in_parallel``: ``clients_in_parallel``'s answer)."""
+    _, per_group = cohort_layout(clients_per_round, devices, in_parallel)
+    return resolve_conv_impl(conv_impl, platform, batched_weights=per_group // devices > 1)
+
+
 def training_step_gflop(model: ModelFns, params, model_state, image_shape, batch_size: int,
                         num_views: int = 1) -> float:
     """GFLOP of one client's training step: 3x the forward pass over ``batch_size`` samples of
@@ -201,6 +212,7 @@ def build(cfg: CoreConfig, dataset: ImageDataset | None = None, *,
     test = put_replicated(pack_test(dataset.test_images, dataset.test_labels,
                                     cfg.eval_batch_size), mesh)
 
+    built = module is None
     module = module or get_model(cfg.model, num_classes=dataset.num_classes,
                                  conv_impl=cfg.conv_impl, norm=cfg.norm, width=cfg.width,
                                  **model_kwargs(cfg))
@@ -216,6 +228,17 @@ def build(cfg: CoreConfig, dataset: ImageDataset | None = None, *,
                                       cfg.batch_size, num_views)
                   if not cfg.clients_in_parallel else math.nan)
     in_parallel = clients_in_parallel(cfg, step_gflop)
+    devices = 1 if mesh is None else mesh.size
+    conv_impl = training_conv_impl(cfg.conv_impl, clients_per_round(cfg.num_clients,
+                                                                  cfg.participation),
+                                   devices, in_parallel)
+    if built and conv_impl != resolve_conv_impl(cfg.conv_impl):
+        # Local training with per-client weights side by side: its own convolutions (the
+        # same weights and results; evaluation keeps the model's).
+        train_model = with_precision(
+            model_fns(get_model(cfg.model, num_classes=dataset.num_classes, conv_impl=conv_impl,
+                                norm=cfg.norm, width=cfg.width, **model_kwargs(cfg)),
+                      partitionable_init=cfg.init_threefry_partitionable), cfg.precision)
 
     def program_for(cfg: CoreConfig) -> TrainingProgram:
         # Everything the config's training settings decide; a grid calls it again with one

@@ -122,6 +122,16 @@ def test_auto_selects_by_platform():
         resolve_conv_impl("fast")
 
 
+def test_auto_selects_patches_for_weights_side_by_side_on_a_gpu_only():
+    """Per-client weights under ``vmap`` are grouped convolutions on a GPU: the patch
+    formulation there (measured on an H200), the platform's choice everywhere else."""
+    assert resolve_conv_impl("auto", "gpu", batched_weights=True) == "patches"
+    assert resolve_conv_impl("auto", "cpu", batched_weights=True) == "cpu"
+    assert resolve_conv_impl("auto", "tpu", batched_weights=True) == "native"  # not measured
+    assert resolve_conv_impl("native", "gpu", batched_weights=True) == "native"  # as asked
+    assert resolve_conv_impl("onednn", "gpu", batched_weights=True) == "onednn"
+
+
 @pytest.mark.parametrize("shape,window",
                          [((2, 28, 28, 6), 2), ((3, 10, 10, 16), 2), ((1, 9, 7, 2), 3)])
 def test_max_pool_matches_flax(shape, window):

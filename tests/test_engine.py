@@ -109,6 +109,50 @@ def test_build_resolves_the_layout_from_the_models_own_flops(monkeypatch, toy):
     assert seen["gflop"] > 0
 
 
+def test_training_convolutions_follow_the_layout():
+    """On a GPU, local training with several clients side by side on a device runs the patch
+    convolutions (its weights carry the client axis); one client at a time, or one per device,
+    keeps the platform's."""
+    from fedjax_rcl.experiment import training_conv_impl
+
+    assert training_conv_impl("auto", 5, 1, None, "gpu") == "patches"  # all 5 side by side
+    assert training_conv_impl("auto", 5, 1, 2, "gpu") == "patches"  # groups of 2
+    assert training_conv_impl("auto", 5, 1, 1, "gpu") == "native"  # one after another
+    assert training_conv_impl("auto", 1, 1, None, "gpu") == "native"  # one client a round
+    assert training_conv_impl("auto", 2, 2, None, "gpu") == "native"  # one client per device
+    assert training_conv_impl("auto", 4, 2, None, "gpu") == "patches"  # two per device
+    assert training_conv_impl("auto", 5, 1, None, "cpu") == "cpu"
+    assert training_conv_impl("native", 5, 1, None, "gpu") == "native"
+
+
+def test_build_trains_with_the_layouts_convolutions_and_evaluates_with_the_models(
+        monkeypatch, toy):
+    """Where the layout asks for other convolutions (the patch ones for clients side by side
+    on a GPU, forced here on the CPU), ``build`` trains with a model built with them, which
+    gives the round of the platform's own within float tolerance; evaluation keeps the
+    configured model."""
+    from fedjax_rcl import experiment
+
+    made = []
+    real_get_model = experiment.get_model
+
+    def spy(*args, **kw):
+        made.append(kw.get("conv_impl"))
+        return real_get_model(*args, **kw)
+
+    cfg = _cfg(batch_size=8)
+    base = experiment.build(cfg, toy)
+    monkeypatch.setattr(experiment, "get_model", spy)
+    monkeypatch.setattr(experiment, "training_conv_impl", lambda *a, **k: "patches")
+    exp = experiment.build(cfg, toy)
+    assert made == ["auto", "patches"]
+    new_state, metrics = jax.jit(exp.run_round)(exp.state, exp.data)
+    base_state, base_metrics = jax.jit(base.run_round)(base.state, base.data)
+    chex.assert_trees_all_close(new_state.params, base_state.params, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(metrics["client_loss"], base_metrics["client_loss"], rtol=1e-5)
+    assert exp.model.module.conv_impl == "auto"  # evaluation: the configured model
+
+
 def test_weighted_mean_over_client_axis():
     """The mean reduces axis 0 only (a classic bug averages everything into one number)."""
     rng = np.random.default_rng(0)
