@@ -169,7 +169,8 @@ class CoreConfig:
         float32 master weights, optimizer and server state (``fp16`` scales the loss as
         PyTorch's GradScaler does, as the FedRCL authors train). Evaluation stays float32.
       conv_impl: how convolutions run: ``auto`` picks ``cpu`` on CPUs (oneDNN, else the
-        matmul forms) and ``native`` elsewhere.
+        matmul forms), ``patches`` for local training with several clients side by side on a
+        GPU (their per-client weights would make grouped convolutions), ``native`` elsewhere.
       devices: devices the sampled clients are sharded over; 0: every device.
       clients_in_parallel: clients trained side by side within a round; 0: chosen per model
         and backend (all at once, or one at a time where that is faster).
