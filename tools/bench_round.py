@@ -41,10 +41,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_CLIENTS = (1, 5, 10, 20, 50)
 # The compiled round: its default client layout (``vmap``, the historical name), every sampled
-# client side by side (``side-by-side``; with the patch convolutions, which turn a vmap over
-# client weights into batched matmuls instead of grouped convolutions: ``side-by-side-patches``),
-# or clients one after another inside the program (``one-at-a-time``).
-COMPILED_MODES = ("vmap", "side-by-side", "side-by-side-patches", "one-at-a-time")
+# client side by side (``side-by-side``, with ``conv_impl=auto``'s convolutions; with the patch
+# convolutions, which turn a vmap over client weights into batched matmuls instead of grouped
+# convolutions: ``side-by-side-patches``, auto's choice on a GPU; with XLA's own, grouped there:
+# ``side-by-side-native``), or clients one after another inside the program (``one-at-a-time``).
+COMPILED_MODES = ("vmap", "side-by-side", "side-by-side-patches", "side-by-side-native",
+                  "one-at-a-time")
+_MODE_CONV = {"side-by-side-patches": "patches", "side-by-side-native": "native"}
 
 
 def _setup(model: str, paper_local_work: bool = False):
@@ -135,14 +138,14 @@ def worker(spec: dict) -> dict:
                                           repeats=spec.get("repeats", 2), autocast=autocast)
         out.update(round_s=r["round_s"], compile_s=0.0)
     else:
-        layout = {"one-at-a-time": 1, "side-by-side": clients,
-                  "side-by-side-patches": clients}.get(mode, spec.get("chunk", 0))
+        layout = {"one-at-a-time": 1, "side-by-side": clients, "side-by-side-patches": clients,
+                  "side-by-side-native": clients}.get(mode, spec.get("chunk", 0))
         cfg = Config(dataset="fake", model=model, width=int(width) if width else None,
                      algorithm=algorithm, num_clients=num_clients,
                      participation=clients / num_clients, partition="iid", local_epochs=epochs,
                      batch_size=batch, eval_every=1, precision=spec.get("precision", "fp32"),
                      clients_in_parallel=layout,
-                     conv_impl="patches" if mode == "side-by-side-patches" else "auto")
+                     conv_impl=_MODE_CONV.get(mode, "auto"))
         exp = build(cfg, fake_cifar(num_clients * per_client))
         if mode in COMPILED_MODES:
             t0 = time.perf_counter()

@@ -1,42 +1,45 @@
-"""One prepared accelerator call of about five minutes: where the GPU time goes on
-pfl-research's workload, many small runs filling one GPU, and clients side by side.
+"""One prepared accelerator call of about five minutes: ours against pfl-research on its own
+workload, where the GPU time goes, many small runs filling one GPU, and clients side by side.
 
 Parts, each a process of its own with its own share of the time (a part that runs out starts
 no new configuration; each writes its JSON after every measurement, so a part stopped at its
-limit keeps what it measured), the most telling configurations first:
+limit keeps what it measured), the most telling first:
 
-1. ``profile.json``: pfl-research's CIFAR-10 workload (``experiments/pfl_cifar10.yaml``: 50
-   clients of 50 images a round, 5 steps of batch 10, pfl's CNN) on fake CIFAR-shaped data.
-   One fused round of the current formulation (clients side by side, ``vmap``, fp32) under
-   the JAX profiler, summarised by ``fedjax_rcl.engine.trace_summary`` as shares of convolutions,
-   matrix products, element-wise work, copies and idle time; then the other formulations,
-   each compiled in this process, timed in rotation with the current one (same process, so
-   every ratio is a same-run ratio) and profiled too: the patch convolutions (the client axis
-   as the batch of plain matmuls instead of grouped convolutions), bf16, clients one after
-   another, both of the first two, and groups of 10 clients. Seconds per training round,
-   GFLOP/s and % of the fp32 matmul peak measured in the same process. pfl's own side is not
-   in this call (its 8 processes take a minute to start): ``tools/bench_pfl.py`` with
-   ``--variants`` times the formulation this part picks beside pfl (BENCHMARKS.md, "The
-   next GPU window").
-2. ``runs.json``: K runs of one program (``fedjax_rcl.grid``'s compiled program, as
+1. ``pfl.json``: pfl-research's CIFAR-10 workload (``experiments/pfl_cifar10.yaml``: 50 clients
+   of 50 images a round, 5 steps of batch 10, pfl's CNN) timed by ``tools/bench_pfl.py`` for
+   ours (the default, which on a GPU trains clients side by side with the patch convolutions;
+   ``precision=bf16``; ``conv_impl=native``, XLA's grouped convolutions) and, in the same
+   process's passes, pfl 0.6.0 itself at 8 processes sharing the GPU (its fastest count
+   measured before). ``PFL_PYTHON`` names an interpreter with pfl and torch (default: this
+   one, if it imports pfl; otherwise ours only).
+2. ``profile.json``: the same workload on fake CIFAR-shaped data. One fused round of the
+   default under the JAX profiler, summarised by ``fedjax_rcl.engine.trace_summary`` as shares
+   of convolutions, matrix products, element-wise work, copies and idle time; then the other
+   formulations, each compiled in this process, timed in rotation with the default (same
+   process, so every ratio is a same-run ratio) and profiled too. Seconds per training round,
+   GFLOP/s and % of the fp32 matmul peak measured in the same process.
+3. ``runs.json``: K runs of one program (``fedjax_rcl.grid``'s compiled program, as
    ``seeds=[0..K-1]`` runs it, with K copies of seed 0's run: the same shapes and work) side
-   by side (``runs_in_parallel=K``): aggregate rounds per second at
-   K = 1, 8, 16, 4, 2 for MOON's CNN (CIFAR shape, 10 clients a round, 50 steps of batch 50
-   each) and for pfl's workload, then K = 8 one after another; each row with the choice
-   ``runs_in_parallel=0`` makes there (the layout cost model on the runs' step work).
-3. ``clients.json``: client-steps per second of the compiled round with 1, 200, 50 and 10
+   by side (``runs_in_parallel=K``): aggregate rounds per second at K = 1, 8 (and 8 with
+   ``conv_impl=native``), 16, 4, 2 for MOON's CNN (CIFAR shape, 10 clients a round, 50 steps
+   of batch 50 each) and for pfl's workload, then K = 8 one after another; each row with the
+   choice ``runs_in_parallel=0`` makes there (the layout cost model on the runs' step work).
+4. ``clients.json``: client-steps per second of the compiled round with 1, 50, 200 and 10
    clients side by side for MOON's CNN and pfl's CNN (50 steps of batch 50 per client,
-   ``tools/bench_round.py``'s worker).
+   ``tools/bench_round.py``'s worker), and 50 with ``conv_impl=native`` beside them.
 
 Besides: ``env.json`` (the card from ``nvidia-smi``, driver, CUDA, the versions of JAX, jaxlib
 and its CUDA plugin, the processor), ``gpu_fill.md`` (the tables), ``gpu_fill.log``
-(everything printed) and the current formulation's trace ``pfl_round.json.gz`` when under
-4 MB: at most 7 files in ``$OUT``.
+(everything printed) and ``gpu_check.log`` (the wheels' install): 9 files with the parts', one
+over the device tool's 8, so a call runs it with ``OUT`` elsewhere and packs the folder
+(``experiments/paper_resnet18_gpu/device_lease.sh`` does). Traces stay in
+``/tmp/gpu_fill_trace`` (``KEEP_TRACE=1`` copies the default's, when under 4 MB, as
+``pfl_round.json.gz``).
 
 On the device (carry ``.whl``, the wheels ``tools/gpu_check.py``'s docstring downloads; this
 script needs only omegaconf of them; timeout_s 300)::
 
-    python3 tools/gpu_fill.py              # OUT is set by the device tool; 270 s + 10
+    OUT=/tmp/fill python3 tools/gpu_fill.py; tar czf $OUT/fill.tar.gz -C /tmp fill  # 270 s + 10
 
 Dry run on a CPU at tiny sizes (every part, every code path; about 5-10 minutes on 2 cores)::
 
@@ -58,19 +61,28 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PARTS = ("profile", "runs", "clients")
+PARTS = ("pfl", "profile", "runs", "clients")
 # Each part's share of the time left after the environment (the rest goes to the last part).
-SHARES = {"profile": 0.38, "runs": 0.34, "clients": 0.28}
+SHARES = {"pfl": 0.42, "profile": 0.14, "runs": 0.24, "clients": 0.20}
 TRACE_KEEP_BYTES = 4 * 2**20
 
-# The pfl workload's formulations, the current one first (key=value overrides).
-FORMULATIONS = ("", "conv_impl=patches", "precision=bf16", "clients_in_parallel=1",
-                "conv_impl=patches,precision=bf16", "clients_in_parallel=10")
-# (model, K, runs_in_parallel) in order: the target's K = 1 and 8 first.
-RUNS = [(m, k, k) for k in (1, 8, 16, 4, 2) for m in ("cnn", "pfl")] + [
-    ("cnn", 8, 1), ("pfl", 8, 1)]
-# 1 and 200 clients first: 10 and 50 are in BENCHMARKS.md's H200 layout table already.
-CLIENTS = [(m, c) for c in (1, 200, 50, 10) for m in ("cnn", "pfl_cnn")]
+# The pfl workload's formulations, the default ("current") first (key=value overrides). The
+# 2026-11-28 lease measured XLA's grouped convolutions, patches, bf16 and the client layouts;
+# the default now resolves to the patch convolutions there, so this checks that it does.
+FORMULATIONS = ("", "conv_impl=native", "precision=bf16", "conv_impl=native,precision=bf16")
+# ours beside pfl (tools/bench_pfl.py --variants) and pfl's process counts.
+PFL_VARIANTS = ("precision=bf16", "conv_impl=native")
+PFL_WORKERS = (8,)
+# (model, K, runs_in_parallel, overrides) in order: the target's K = 1 and 8 first.
+RUNS = ([(m, k, k, "") for k in (1, 8) for m in ("cnn", "pfl")]
+        + [(m, 8, 8, "conv_impl=native") for m in ("cnn", "pfl")]
+        + [(m, k, k, "") for k in (16, 4, 2) for m in ("cnn", "pfl")]
+        + [("cnn", 8, 1, ""), ("pfl", 8, 1, "")])
+# (model, clients, bench_round mode): the default side by side, and XLA's grouped convolutions
+# at 50 beside it.
+CLIENTS = ([(m, c, "side-by-side") for c in (1, 50) for m in ("cnn", "pfl_cnn")]
+           + [(m, 50, "side-by-side-native") for m in ("cnn", "pfl_cnn")]
+           + [(m, c, "side-by-side") for c in (200, 10) for m in ("cnn", "pfl_cnn")])
 
 
 def tiny() -> bool:
@@ -205,7 +217,41 @@ class Deadline:
         return self.left() > self.per_config_s
 
 
-# --- part 1: the profile and the formulations ------------------------------------------------
+# --- part 1: ours against pfl-research --------------------------------------------------------
+
+def _pfl_python() -> str | None:
+    """An interpreter with pfl and torch: ``PFL_PYTHON``, else this one if it imports pfl."""
+    if os.environ.get("PFL_PYTHON"):
+        return os.environ["PFL_PYTHON"]
+    probe = subprocess.run([sys.executable, "-c", "import pfl, torch"], capture_output=True)
+    return sys.executable if probe.returncode == 0 else None
+
+
+def part_pfl(out: Path, deadline: Deadline, args) -> None:
+    """``tools/bench_pfl.py`` in a process of its own, bounded by the part's time: ours (the
+    default and ``PFL_VARIANTS``) and pfl at ``PFL_WORKERS`` processes, alternating passes."""
+    import jax
+
+    gpu = jax.default_backend() == "gpu"
+    cmd = [sys.executable, str(ROOT / "tools" / "bench_pfl.py"), "--no-append", "--json",
+           str(out / "pfl.json"), "--rounds", "1" if tiny() else "5", "--passes",
+           "1" if tiny() else "2", "--budget-s", f"{max(deadline.left() - 10, 10):.0f}",
+           "--variants", *PFL_VARIANTS]
+    python = _pfl_python()
+    if python:
+        cmd += ["--pfl-python", python, "--pfl-device", "cuda" if gpu else "cpu",
+                "--pfl-workers", *map(str, (1,) if tiny() else PFL_WORKERS)]
+    else:
+        print("pfl: no interpreter with pfl and torch (PFL_PYTHON): ours only", flush=True)
+    print(f"pfl: $ {' '.join(cmd)}", flush=True)
+    try:
+        code = subprocess.run(cmd, cwd=ROOT, timeout=max(deadline.left(), 1)).returncode
+    except subprocess.TimeoutExpired:
+        code = 124
+    print(f"pfl: bench_pfl exit {code}", flush=True)
+
+
+# --- part 2: the profile and the formulations ------------------------------------------------
 
 class Formulation:
     """One formulation of pfl's workload, compiled as ``DeviceTable.compile`` compiles the
@@ -306,7 +352,8 @@ def _medians(doc: dict) -> None:
 
 
 def _profile_one(f: Formulation, doc: dict, out: Path, profile) -> None:
-    """One fused round of ``f`` under the profiler; keeps the current one's trace if small."""
+    """One fused round of ``f`` under the profiler; keeps the current one's trace if small and
+    asked (``KEEP_TRACE=1``)."""
     log_dir = Path(f"/tmp/gpu_fill_trace/{f.name.replace(',', '_').replace('=', '-')}")
     shutil.rmtree(log_dir, ignore_errors=True)
     try:
@@ -314,7 +361,8 @@ def _profile_one(f: Formulation, doc: dict, out: Path, profile) -> None:
     except Exception as e:  # noqa: BLE001 - the timings must still be written
         doc["profiles"][f.name] = {"error": repr(e)[:2000]}
         return
-    if f.name == "current" and s["trace_bytes"] <= TRACE_KEEP_BYTES:
+    if (os.environ.get("KEEP_TRACE") == "1" and f.name == "current"
+            and s["trace_bytes"] <= TRACE_KEEP_BYTES):
         shutil.copyfile(s["trace"], out / "pfl_round.json.gz")
         s["trace_kept"] = "pfl_round.json.gz"
     doc["profiles"][f.name] = s
@@ -323,22 +371,23 @@ def _profile_one(f: Formulation, doc: dict, out: Path, profile) -> None:
           f"{s['span_s'] * 1e3:.1f} ms", flush=True)
 
 
-# --- part 2: runs side by side ---------------------------------------------------------------
+# --- part 3: runs side by side ---------------------------------------------------------------
 
 class Members:
     """One model's grid members: K copies of one run (seed 0), built once. Copies have the
     program and the per-round work of K seeds (the seeds change values, not shapes); building
     K members is start-up, which this part does not time."""
 
-    def __init__(self, model: str, data, rounds: int):
+    def __init__(self, model: str, data, rounds: int, overrides: str = ""):
         self.model, self.data, self.rounds, self.exp = model, data, rounds, None
+        self.overrides = tuple(overrides.split(",")) if overrides else ()
 
     def first(self, k: int):
         from fedjax_rcl import grid
 
         if self.exp is None:
             make = pfl_config if self.model == "pfl" else cnn_config
-            cfg = make(("seeds=[0]",), eval_every=self.rounds)
+            cfg = make(("seeds=[0]", *self.overrides), eval_every=self.rounds)
             self.exp, = grid.build_members(grid.member_configs(cfg, None), self.data)
         return [self.exp] * k
 
@@ -354,28 +403,32 @@ def part_runs(out: Path, deadline: Deadline, args) -> None:
     rounds = {"cnn": 1 if tiny() else 2, "pfl": 2 if tiny() else 5}
     data = _fake(5000, 500) if tiny() else _fake(50_000, 1000)
     ks = args.ks or ((1, 2) if tiny() else None)
-    members = {m: Members(m, data, rounds[m]) for m in ("cnn", "pfl")}
+    members: dict[tuple[str, str], Members] = {}
     doc = {"machine": machine(), "backend": jax.default_backend(), "rows": [], "not_run": [],
            "threshold_gflop": layout.SIDE_BY_SIDE_BELOW_GFLOP.get(jax.default_backend())}
     path = out / "runs.json"
-    plan = [(m, k, r) for m, k, r in RUNS if ks is None or k in ks]
+    plan = [row for row in RUNS if ks is None or row[1] in ks]
     if tiny() and not args.ks:
-        plan += [("cnn", 2, 1)]
-    for model, k, together in plan:
+        plan += [("cnn", 2, 1, ""), ("cnn", 2, 2, "conv_impl=native")]
+    for model, k, together, overrides in plan:
         if not deadline.room():
-            doc["not_run"].append([model, k, together])
+            doc["not_run"].append([model, k, together, overrides])
             continue
+        if (model, overrides) not in members:
+            members[model, overrides] = Members(model, data, rounds[model], overrides)
         try:
-            row = _time_runs(members[model], k, together, rounds[model], grid, jnp, jax)
+            row = _time_runs(members[model, overrides], k, together, rounds[model], grid, jnp,
+                             jax)
         except Exception as e:  # noqa: BLE001 - one row failing must not end the part
             row = {"model": model, "runs": k, "runs_in_parallel": together,
                    "error": repr(e)[:2000]}
+        row["overrides"] = overrides
         doc["rows"].append(row)
         base = next((r for r in doc["rows"] if r["model"] == model and r["runs"] == 1
-                     and "rounds_per_s" in r), None)
+                     and not r["overrides"] and "rounds_per_s" in r), None)
         if base and "rounds_per_s" in row:
             row["throughput_vs_one_run"] = row["rounds_per_s"] / base["rounds_per_s"]
-        print(f"runs: {model} K={k} runs_in_parallel={together}: "
+        print(f"runs: {model} K={k} runs_in_parallel={together} {overrides}: "
               f"{row.get('rounds_per_s', float('nan')):.2f} rounds/s "
               f"({row.get('throughput_vs_one_run', float('nan')):.2f}x one run); cost model "
               f"picks {row.get('cost_model_picks')}", flush=True)
@@ -413,24 +466,25 @@ def _time_runs(members: Members, k: int, together: int, n: int, grid, jnp, jax) 
             "one after another" if k > 1 else "(one run)"}
 
 
-# --- part 3: clients side by side ------------------------------------------------------------
+# --- part 4: clients side by side ------------------------------------------------------------
 
 def part_clients(out: Path, deadline: Deadline, args) -> None:
     import jax
     from bench_round import machine, matmul_peak_gflops, worker
 
-    plan = [(m, c) for c in (1, 2) for m in ("cnn", "pfl_cnn")] if tiny() else CLIENTS
+    plan = ([(m, c, "side-by-side") for c in (1, 2) for m in ("cnn", "pfl_cnn")]
+            + [("cnn", 2, "side-by-side-native")]) if tiny() else CLIENTS
     if args.clients:
-        plan = [(m, c) for c in args.clients for m in ("cnn", "pfl_cnn")]
+        plan = [row for row in plan if row[1] in args.clients]
     doc = {"machine": machine(), "backend": jax.default_backend(),
            "matmul_peak_gflops": matmul_peak_gflops(), "rows": [], "not_run": []}
     path = out / "clients.json"
-    for model, clients in plan:
+    for model, clients, mode in plan:
         if not deadline.room():
-            doc["not_run"].append([model, clients])
+            doc["not_run"].append([model, clients, mode])
             continue
         spec = {"model": model, "algorithm": "fedavg", "clients": clients,
-                "mode": "side-by-side", "repeats": 2, "precision": "fp32",
+                "mode": mode, "repeats": 2, "precision": "fp32",
                 "paper_local_work": not tiny()}
         try:
             row = worker(spec)
@@ -443,7 +497,7 @@ def part_clients(out: Path, deadline: Deadline, args) -> None:
             row["gflops"] = row["step_gflop"] * row["client_steps_per_s"]
             row["pct_of_fp32_matmul_peak"] = 100 * row["gflops"] / doc["matmul_peak_gflops"]
         doc["rows"].append(row)
-        print(f"clients: {model} x {clients}: "
+        print(f"clients: {model} x {clients} ({mode}): "
               f"{row.get('client_steps_per_s', float('nan')):.1f} client-steps/s", flush=True)
         _write(path, doc)
         gc.collect()
@@ -453,13 +507,30 @@ def part_clients(out: Path, deadline: Deadline, args) -> None:
 # --- the summary -----------------------------------------------------------------------------
 
 def summary(out: Path, info: dict, seconds: float) -> str:
-    """``gpu_fill.md``: the three parts' tables from their JSON files."""
+    """``gpu_fill.md``: the parts' tables from their JSON files."""
     lines = [f"# GPU fill ({time.strftime('%Y-%m-%d %H:%M')} UTC, {seconds:.0f} s"
              f"{', TINY' if tiny() else ''})", "",
              f"Card: {info.get('nvidia_smi', 'no nvidia-smi')}; CUDA (driver) "
              f"{info.get('nvidia_smi_cuda')}; jax {info.get('jax')}, jaxlib "
              f"{info.get('jaxlib')}, plugins {info.get('jax_plugins')}, cuda {info.get('cuda')};"
              f" {info.get('machine')}", ""]
+    p = out / "pfl.json"
+    if p.exists():
+        d = json.loads(p.read_text())
+        med = d["medians"]
+        ours = med.get("fedjax-rcl", {}).get("train")
+        lines += ["## pfl's workload against pfl-research (training s/round, medians of the "
+                  "passes, alternating in one process)", "",
+                  "| side | s / round | eval s | its time / ours (default) |",
+                  "|---|---|---|---|"]
+        for name, m in med.items():
+            ratio = m["train"] / ours if ours else float("nan")
+            lines.append(f"| {name} | {m['train']:.4f} | {m['eval']:.4f} | {ratio:.2f} |")
+        for name, e in d.get("pfl_failed", {}).items():
+            lines.append(f"| {name} | {e[:80]} | | |")
+        lines.append("")
+    else:
+        lines += ["## pfl: no results (see gpu_fill.log)", ""]
     p = out / "profile.json"
     if p.exists():
         d = json.loads(p.read_text())
@@ -501,16 +572,17 @@ def summary(out: Path, info: dict, seconds: float) -> str:
         d = json.loads(p.read_text())
         lines += [f"## Runs in one program (aggregate rounds/s; threshold "
                   f"{d['threshold_gflop']} GFLOP)", "",
-                  "| model | runs | runs_in_parallel | rounds/s | x one run | GFLOP/s | "
-                  "runs' step work GFLOP | cost model picks | compile s |",
-                  "|---|---|---|---|---|---|---|---|---|"]
+                  "| model | overrides | runs | runs_in_parallel | rounds/s | x one run | "
+                  "GFLOP/s | runs' step work GFLOP | cost model picks | compile s |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
         for r in d["rows"]:
             if "rounds_per_s" not in r:
-                lines.append(f"| {r['model']} | {r['runs']} | {r['runs_in_parallel']} | "
-                             f"{r.get('error', '')[:80]} |")
+                lines.append(f"| {r['model']} | {r.get('overrides', '')} | {r['runs']} | "
+                             f"{r['runs_in_parallel']} | {r.get('error', '')[:80]} |")
                 continue
             work = r["runs"] * r["clients_per_round"] * r["step_gflop"]
-            lines.append(f"| {r['model']} | {r['runs']} | {r['runs_in_parallel']} | "
+            lines.append(f"| {r['model']} | {r.get('overrides', '')} | {r['runs']} | "
+                         f"{r['runs_in_parallel']} | "
                          f"{r['rounds_per_s']:.2f} | "
                          f"{r.get('throughput_vs_one_run', float('nan')):.2f} | "
                          f"{r['gflops']:.0f} | {work:.3g} | {r['cost_model_picks']} | "
@@ -525,13 +597,15 @@ def summary(out: Path, info: dict, seconds: float) -> str:
         d = json.loads(p.read_text())
         lines += ["## Clients side by side (client-steps/s, 50 steps of batch 50 per client; "
                   f"fp32 matmul peak {d['matmul_peak_gflops']:.0f} GFLOP/s)", "",
-                  "| model | clients | s / round | client-steps/s | GFLOP/s | % of peak | "
-                  "compile s |", "|---|---|---|---|---|---|---|"]
+                  "| model | clients | mode | s / round | client-steps/s | GFLOP/s | % of peak | "
+                  "compile s |", "|---|---|---|---|---|---|---|---|"]
         for r in d["rows"]:
             if "round_s" not in r:
-                lines.append(f"| {r['model']} | {r['clients']} | {r.get('error', '')[:80]} |")
+                lines.append(f"| {r['model']} | {r['clients']} | {r.get('mode', '')} | "
+                             f"{r.get('error', '')[:80]} |")
                 continue
-            lines.append(f"| {r['model']} | {r['clients']} | {r['round_s']:.3f} | "
+            lines.append(f"| {r['model']} | {r['clients']} | {r.get('mode', '')} | "
+                         f"{r['round_s']:.3f} | "
                          f"{r['client_steps_per_s']:.1f} | {r['gflops']:.0f} | "
                          f"{r['pct_of_fp32_matmul_peak']:.1f} | {r['compile_s']:.1f} |")
         if d.get("not_run"):
@@ -568,7 +642,8 @@ def main() -> None:
     sys.path.insert(0, str(ROOT))
     per_config = args.config_s if args.config_s is not None else (5 if tiny() else 20)
     if args.part:  # one part, in its own process
-        {"profile": part_profile, "runs": part_runs, "clients": part_clients}[args.part](
+        {"pfl": part_pfl, "profile": part_profile, "runs": part_runs,
+         "clients": part_clients}[args.part](
             out, Deadline(args.deadline, per_config), args)
         return
     start = time.time()
