@@ -85,6 +85,8 @@ class Experiment:
         model and layout under another config's training settings (``round_rows`` is
         ``program_for(cfg).round_rows``); a grid sweeping a setting calls it with that
         setting a traced value.
+      layout: how local training runs, in words (``describe_layout``): the clients' layout
+        the config or the cost model chose and the convolutions it trains with.
     """
 
     cfg: CoreConfig
@@ -103,6 +105,7 @@ class Experiment:
     server_start: Callable
     mesh: Mesh | None = None
     program_for: Callable[[CoreConfig], TrainingProgram] | None = None
+    layout: str = ""
 
     @functools.cached_property
     def run_round(self) -> Callable:
@@ -164,6 +167,22 @@ def training_conv_impl(conv_impl: str, clients_per_round: int, devices: int,
     trains side by side on a device (``in_parallel``: ``clients_in_parallel``'s answer)."""
     _, per_group = cohort_layout(clients_per_round, devices, in_parallel)
     return resolve_conv_impl(conv_impl, platform, batched_weights=per_group // devices > 1)
+
+
+def describe_layout(clients_per_round: int, devices: int, in_parallel: int | None,
+                    conv_impl: str) -> str:
+    """``"clients side by side, conv_impl=patches"`` and the like: what ``cohort_layout`` makes
+    of ``in_parallel`` for a round, and the convolutions local training runs."""
+    groups, per_group = cohort_layout(clients_per_round, devices, in_parallel)
+    if clients_per_round == 1:
+        where = "one client a round"
+    elif groups == 1:
+        where = "clients side by side"
+    elif per_group == devices:
+        where = "clients one after another" + (" on each device" if devices > 1 else "")
+    else:
+        where = f"clients side by side in groups of {per_group}"
+    return f"{where}, conv_impl={conv_impl}"
 
 
 def training_step_gflop(model: ModelFns, params, model_state, image_shape, batch_size: int,
@@ -229,9 +248,8 @@ def build(cfg: CoreConfig, dataset: ImageDataset | None = None, *,
                   if not cfg.clients_in_parallel else math.nan)
     in_parallel = clients_in_parallel(cfg, step_gflop)
     devices = 1 if mesh is None else mesh.size
-    conv_impl = training_conv_impl(cfg.conv_impl, clients_per_round(cfg.num_clients,
-                                                                  cfg.participation),
-                                   devices, in_parallel)
+    per_round = clients_per_round(cfg.num_clients, cfg.participation)
+    conv_impl = training_conv_impl(cfg.conv_impl, per_round, devices, in_parallel)
     if built and conv_impl != resolve_conv_impl(cfg.conv_impl):
         # Local training with per-client weights side by side: its own convolutions (the
         # same weights and results; evaluation keeps the model's).
@@ -290,4 +308,5 @@ def build(cfg: CoreConfig, dataset: ImageDataset | None = None, *,
                       table=table, program_for=program_for,
                       evaluate=jax.jit(make_evaluate(model, mean=dataset.mean,
                                                      std=dataset.std)),
-                      server_start=sopt.start, mesh=mesh)
+                      server_start=sopt.start, mesh=mesh,
+                      layout=describe_layout(per_round, devices, in_parallel, conv_impl))

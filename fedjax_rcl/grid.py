@@ -505,7 +505,8 @@ def train_grid(cfg: CoreConfig, *, dataset: ImageDataset | None = None, progress
                 members.enter_context(new_run(c, lambda: None, command=command))
             names = ", ".join(Path(c.run_dir).name for c in cfgs)
             log(f"run_dir: {parent}  |  {len(cfgs)} runs ({names}) of {cfg.algorithm} on "
-                f"{cfg.model}, {cfg.dataset}  |  backend {jax.default_backend()}")
+                f"{cfg.model}, {cfg.dataset}  |  backend {jax.default_backend()}, "
+                f"{exps[0].layout}")
             ckpts = [Checkpointer(Path(c.run_dir) / "checkpoints", keep=c.keep_checkpoints)
                      for c in cfgs]
             grid_ckpt = _Checkpointers(ckpts)

@@ -122,7 +122,7 @@ def _describe(exp: Experiment, run_dir: Path) -> str:
             f"{len(exp.dataset.test_labels)} test, {exp.dataset.num_classes} classes  |  "
             f"{cfg.algorithm} on {cfg.model}, {cfg.num_clients} clients, "
             f"{clients_per_round(cfg.num_clients, cfg.participation)} per round  |  "
-            f"backend {jax.default_backend()}")
+            f"backend {jax.default_backend()}, {exp.layout}")
 
 
 def progress_line(record: dict, rounds: int, rounds_run: int, seconds: float) -> str:

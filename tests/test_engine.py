@@ -125,6 +125,17 @@ def test_training_convolutions_follow_the_layout():
     assert training_conv_impl("native", 5, 1, None, "gpu") == "native"
 
 
+def test_the_layout_in_words():
+    from fedjax_rcl.experiment import describe_layout
+
+    assert describe_layout(5, 1, None, "patches") == "clients side by side, conv_impl=patches"
+    assert describe_layout(5, 1, 1, "native") == "clients one after another, conv_impl=native"
+    assert describe_layout(5, 1, 2, "cpu") == "clients side by side in groups of 2, conv_impl=cpu"
+    assert describe_layout(4, 2, 1, "cpu") == ("clients one after another on each device, "
+                                               "conv_impl=cpu")
+    assert describe_layout(1, 1, None, "cpu") == "one client a round, conv_impl=cpu"
+
+
 def test_build_trains_with_the_layouts_convolutions_and_evaluates_with_the_models(
         monkeypatch, toy):
     """Where the layout asks for other convolutions (the patch ones for clients side by side
@@ -146,6 +157,8 @@ def test_build_trains_with_the_layouts_convolutions_and_evaluates_with_the_model
     monkeypatch.setattr(experiment, "training_conv_impl", lambda *a, **k: "patches")
     exp = experiment.build(cfg, toy)
     assert made == ["auto", "patches"]
+    assert exp.layout == "clients side by side, conv_impl=patches"
+    assert base.layout == "clients side by side, conv_impl=cpu"
     new_state, metrics = jax.jit(exp.run_round)(exp.state, exp.data)
     base_state, base_metrics = jax.jit(base.run_round)(base.state, base.data)
     chex.assert_trees_all_close(new_state.params, base_state.params, rtol=1e-4, atol=1e-5)
