@@ -83,13 +83,20 @@ def reference(tmp_path_factory):
     return _metrics(run), load_run(run)[1]
 
 
+# Starts its arguments with SIGHUP at its default disposition, as a command typed at a terminal
+# starts, whatever the tests were started under (``nohup pytest`` leaves it ignored, and an
+# ignored disposition is inherited).
+_HANGUP_DEFAULT = ("import os, signal, sys; signal.signal(signal.SIGHUP, signal.SIG_DFL); "
+                   "os.execvp(sys.argv[1], sys.argv[1:])")
+
+
 def _signalled(run, plan, prefix=()):
     """``fedjax-rcl train`` that signals itself as ``plan`` says (the CLI process itself:
     its handlers are installed only there), run by ``prefix`` (``nohup``) if given."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "FEDJAX_RCL_TEST_SIGNAL": plan}
-    return subprocess.run([*prefix, sys.executable, "-m", "fedjax_rcl", "train", *ARGS,
-                           f"run_dir={run}", "--no-progress"], env=env, capture_output=True,
-                          text=True, timeout=600)
+    return subprocess.run([sys.executable, "-c", _HANGUP_DEFAULT, *prefix, sys.executable, "-m",
+                           "fedjax_rcl", "train", *ARGS, f"run_dir={run}", "--no-progress"],
+                          env=env, capture_output=True, text=True, timeout=600)
 
 
 def _resumes_to_the_reference(run, reference):
