@@ -52,7 +52,7 @@ def analyse(doc: dict, platform: str | None = None) -> dict:
 def markdown(result: dict) -> str:
     from fedjax_rcl.engine.layout import APART, SIDE
 
-    modes = [SIDE, "side-by-side-patches", APART, "sequential"]
+    modes = [SIDE, "side-by-side-patches", "side-by-side-native", APART, "sequential"]
     lines = [f"Machine: {result['machine']}", "",
              "| model | step GFLOP | clients | " + " | ".join(modes)
              + " | default | default / best |",
