@@ -309,4 +309,5 @@ def build(cfg: CoreConfig, dataset: ImageDataset | None = None, *,
                       evaluate=jax.jit(make_evaluate(model, mean=dataset.mean,
                                                      std=dataset.std)),
                       server_start=sopt.start, mesh=mesh,
-                      layout=describe_layout(per_round, devices, in_parallel, conv_impl))
+                      layout=describe_layout(per_round, devices, in_parallel,
+                                             conv_impl if built else "the given module's"))
