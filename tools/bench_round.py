@@ -147,6 +147,7 @@ def worker(spec: dict) -> dict:
                      clients_in_parallel=layout,
                      conv_impl=_MODE_CONV.get(mode, "auto"))
         exp = build(cfg, fake_cifar(num_clients * per_client))
+        out["layout"] = exp.layout  # the clients' layout and the convolutions it trained with
         if mode in COMPILED_MODES:
             t0 = time.perf_counter()
             step = exp.compile_rounds(1)
