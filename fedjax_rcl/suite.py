@@ -230,7 +230,7 @@ def table(suite: dict, out: Path) -> str:
         # The paper's EMA is per round: a run evaluated less often is marked, and its EMA is
         # kept out of the comparison with the paper's values.
         evaluated = sorted(by_round)
-        gaps = [b - a for a, b in zip([0, *evaluated[:-1]], evaluated, strict=True)]
+        gaps = [b - a for a, b in zip([0, *evaluated], evaluated, strict=False)]
         mark = "†" if gaps and max(gaps) > 1 else ""
         cells = [f"{by_round[r]['test_accuracy_ema']:.4f}{mark}" if r in by_round else "—"
                  for r in report]

@@ -121,6 +121,7 @@ def _resolved(path: Path) -> list[dict]:
 @pytest.mark.parametrize("path", sorted((ROOT / "experiments" / "paper").glob("*.yaml"))
                          + sorted((ROOT / "experiments" / "cpu").glob("*.yaml"))
                          + sorted((ROOT / "experiments" / "suites").glob("*.yaml"))
+                         + sorted((ROOT / "experiments" / "paper_resnet18_gpu").glob("*.yaml"))
                          + [ROOT / "experiments" / "mfcl" / "paper_cifar10.yaml"],
                          ids=lambda p: f"{p.parent.name}/{p.name}")
 def test_every_configuration_for_a_paper_table_evaluates_every_round(path):

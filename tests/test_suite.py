@@ -53,6 +53,18 @@ def test_table_ema_window_mean_and_best(tmp_path):
     assert (tmp_path / "out" / "ema_accuracy.png").stat().st_size > 0
 
 
+def test_table_of_a_suite_with_a_run_not_yet_started(tmp_path):
+    """A suite tabulated before all its runs have started (a table of runs made one lease at a
+    time) gives the missing run a row of dashes; it raised a traceback."""
+    pytest.importorskip("matplotlib")
+    suite = _suite(tmp_path)
+    _write_run(tmp_path / "runs" / "a", np.full(30, 0.5))
+    text = suite_tool.table(suite, tmp_path / "out")
+    cells_b = [c.strip() for c in text.splitlines()[3].split("|")[1:-1]]
+    assert cells_b == ["b", "algorithm=fedrcl", "0", "—", "—", "—", "—"]
+    assert "†" not in text  # a run with no evaluation is not one at another cadence
+
+
 def test_run_advances_the_run_furthest_behind(tmp_path, monkeypatch):
     suite = _suite(tmp_path)
     _write_run(tmp_path / "runs" / "a", np.full(20, 0.5))
