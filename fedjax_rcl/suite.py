@@ -72,7 +72,45 @@ def load_suite(path: str) -> dict:
                                                       for o in overrides):
             raise ConfigError([f"suite file {path!r}: run {name!r} must be a list of "
                                "key=value overrides"])
+    problems = _table_problems(suite)
+    if problems:
+        raise ConfigError([f"suite file {path!r}: {p}" for p in problems])
     return suite
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _table_problems(suite: dict) -> list[str]:
+    """What is wrong with the keys the table reads: ``rounds``, ``report_rounds`` (rounds of
+    the suite), ``paper`` (numbers for the suite's runs) and ``group_by``."""
+    rounds = suite["rounds"]
+    if not _is_int(rounds) or rounds < 1:
+        return [f"rounds={rounds!r}: must be a whole number >= 1"]
+    out = []
+    report = suite.get("report_rounds")
+    if report is not None and (not isinstance(report, list) or not report or not all(
+            _is_int(r) and 1 <= r <= rounds for r in report)):
+        out.append(f"report_rounds={report!r}: must be a list of rounds between 1 and "
+                   f"rounds={rounds}")
+    paper = suite.get("paper")
+    if paper is not None:
+        if not isinstance(paper, dict):
+            out.append("paper: must map run names to {column: value}")
+        else:
+            for name, values in paper.items():
+                if name not in suite["runs"]:
+                    out.append(f"paper: {name!r} is not one of the runs "
+                               f"({', '.join(suite['runs'])})")
+                elif not isinstance(values, dict) or not all(
+                        isinstance(v, int | float) and not isinstance(v, bool)
+                        for v in values.values()):
+                    out.append(f"paper: {name!r} must map columns to numbers, got {values!r}")
+    group = suite.get("group_by")
+    if group is not None and not isinstance(group, str):
+        out.append(f"group_by={group!r}: must be a config key (e.g. alpha)")
+    return out
 
 
 def _metrics(run_dir: Path) -> list[dict]:

@@ -266,3 +266,30 @@ def test_a_signal_to_a_suite_saves_the_run_in_progress_and_stops_the_suite(tmp_p
         rounds = [json.loads(x)["round"] for x in
                   (tmp_path / "runs" / name / "metrics.jsonl").read_text().splitlines()]
         assert rounds == list(range(1, saved + 3))
+
+
+@pytest.mark.parametrize("extra,message", [
+    ({"rounds": 0}, "rounds=0: must be a whole number >= 1"),
+    ({"rounds": "ten"}, "rounds='ten': must be a whole number >= 1"),
+    ({"report_rounds": [10, 40]}, "report_rounds=[10, 40]: must be a list of rounds between 1 "
+                                  "and rounds=30"),
+    ({"report_rounds": []}, "report_rounds=[]"),
+    ({"paper": {"c": {"500R": 70.0}}}, "paper: 'c' is not one of the runs (a, b)"),
+    ({"paper": {"a": {"500R": "high"}}}, "paper: 'a' must map columns to numbers"),
+    ({"paper": [1, 2]}, "paper: must map run names to {column: value}"),
+    ({"group_by": 3}, "group_by=3: must be a config key"),
+], ids=["rounds-0", "rounds-text", "report-past-rounds", "report-empty", "paper-unknown-run",
+        "paper-not-numbers", "paper-not-mapping", "group-by"])
+def test_a_suite_file_with_a_bad_table_key_is_refused_naming_it(tmp_path, capsys, extra,
+                                                                 message):
+    """Silent nonsense before: a report round past the suite's rounds gave a column of
+    dashes, a paper value under a misspelt run name was never shown, ``rounds: ten`` a
+    traceback."""
+    import yaml
+
+    path = tmp_path / "suite.yaml"
+    path.write_text(yaml.safe_dump({**_suite(tmp_path), **extra}))
+    assert main(["suite", "table", str(path), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert message in err, err
+    assert not (tmp_path / "out").exists()
