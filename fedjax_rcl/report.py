@@ -664,6 +664,8 @@ def report(run_dirs: Sequence[str | Path], out: str | Path, at: Sequence[int] = 
     over the ``window`` rounds up to each reported round, the within-run comparison."""
     if window < 1:
         raise ReportError(f"--window {window}: must be a number of rounds >= 1")
+    if any(r < 1 for r in at):
+        raise ReportError(f"--at {' '.join(map(str, at))}: rounds are numbered from 1")
     runs = [run for p in run_dirs for run in load_runs(p)]
     if not runs:
         raise ReportError("no run directories given")

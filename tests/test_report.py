@@ -208,6 +208,8 @@ def test_within_run_counts_rounds_above_the_baseline_over_the_window(tmp_path, c
     assert main(["report", *dirs, "--out", str(out), "--baseline", "fedavg",
                  "--window", "0"]) == 2
     assert "--window 0: must be a number of rounds >= 1" in capsys.readouterr().err
+    assert main(["report", *dirs, "--out", str(out), "--at", "5", "0"]) == 2
+    assert "--at 5 0: rounds are numbered from 1" in capsys.readouterr().err
 
 
 def test_a_cell_one_seed_reached_shows_no_sd(tmp_path):
