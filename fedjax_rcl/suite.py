@@ -32,6 +32,7 @@ same Python (``python -m fedjax_rcl``), each in its own process.
 from __future__ import annotations
 
 import json
+import math
 import shlex
 import subprocess
 import sys
@@ -82,16 +83,18 @@ def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def _table_problems(suite: dict) -> list[str]:
-    """What is wrong with the keys the table reads: ``rounds``, ``report_rounds`` (rounds of
-    the suite), ``paper`` (numbers for the suite's runs) and ``group_by``."""
+def _table_problems(suite: dict, *, table: bool = False) -> list[str]:
+    """What is wrong with the keys the table reads: ``rounds``, ``report_rounds``, ``paper``
+    (numbers for the suite's runs) and ``group_by``. With ``table``, also report rounds past
+    the suite's ``rounds`` (a run may be continued to fewer rounds first, as a chunk)."""
     rounds = suite["rounds"]
     if not _is_int(rounds) or rounds < 1:
         return [f"rounds={rounds!r}: must be a whole number >= 1"]
     out = []
     report = suite.get("report_rounds")
+    top = rounds if table else math.inf
     if report is not None and (not isinstance(report, list) or not report or not all(
-            _is_int(r) and 1 <= r <= rounds for r in report)):
+            _is_int(r) and 1 <= r <= top for r in report)):
         out.append(f"report_rounds={report!r}: must be a list of rounds between 1 and "
                    f"rounds={rounds}")
     paper = suite.get("paper")
@@ -249,6 +252,9 @@ def table(suite: dict, out: Path) -> str:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    problems = _table_problems(suite, table=True)
+    if problems:
+        raise ConfigError(problems)
     report = suite.get("report_rounds") or [suite["rounds"]]
     last = report[-1]
     window = range(max(1, last - 9), last + 1)  # one seed's EMA moves with a few lucky rounds
