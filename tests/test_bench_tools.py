@@ -88,3 +88,17 @@ def test_layout_tables_measured_in_stages_merge_in_order():
     assert result["platform"] == "gpu"
     assert result["models"]["cnn"]["verdict"] == "side-by-side"
     assert result["models"]["resnet10:16"]["verdict"] == "one-at-a-time"
+
+
+def test_bench_pfl_gives_pfl_the_time_left_to_start_within_its_budget():
+    """A short budget (the GPU speed script's pfl part) must end with ours measured and pfl
+    reported as not answering, not with the command stopped from outside: pfl's start may
+    take what is left of the budget less the passes' 20 s, at least 30 s, at most 10 min."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    try:
+        from bench_pfl import _start_timeout
+    finally:
+        sys.path.remove(str(ROOT / "tools"))
+    assert _start_timeout(float("inf"), 5.0) == 600.0
+    assert _start_timeout(120.0, 30.0) == 70.0
+    assert _start_timeout(40.0, 30.0) == 30.0

@@ -149,6 +149,13 @@ class Pfl:
                 proc.kill()
 
 
+def _start_timeout(budget_s: float, elapsed_s: float) -> float:
+    """How long pfl's processes may take to answer: up to 10 minutes, within what is left of
+    the budget (less 20 s for the passes), so that a short budget ends with ours measured and
+    pfl reported as not started rather than the whole command stopped from outside."""
+    return min(600.0, max(30.0, budget_s - elapsed_s - 20))
+
+
 def _free_ports(n: int) -> list[int]:
     """``n`` TCP ports free on this machine now (bound, noted, released)."""
     socks = [socket.socket() for _ in range(n)]
@@ -217,7 +224,8 @@ def main() -> None:
                 try:
                     sides[label] = Pfl(args.pfl_python, args.rounds, per, args.pfl_device,
                                        workers, backend,
-                                       timeout_s=min(600, max(120, args.budget_s / 2)))
+                                       timeout_s=_start_timeout(args.budget_s,
+                                                                time.perf_counter() - start))
                     break
                 except RuntimeError as e:
                     failed[label] = str(e)

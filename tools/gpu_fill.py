@@ -63,7 +63,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PARTS = ("pfl", "profile", "runs", "clients")
 # Each part's share of the time left after the environment (the rest goes to the last part).
-SHARES = {"pfl": 0.42, "profile": 0.14, "runs": 0.24, "clients": 0.20}
+SHARES = {"pfl": 0.45, "profile": 0.13, "runs": 0.23, "clients": 0.19}
 TRACE_KEEP_BYTES = 4 * 2**20
 
 # The pfl workload's formulations, the default ("current") first (key=value overrides). The

@@ -20,14 +20,14 @@ export PYTHONUNBUFFERED=1
 T0=$(date +%s)
 FINAL=$OUT
 mkdir -p "$FINAL" /tmp/fill
-if [ ! -f /tmp/fill/env.json ] && [ "${FILL_S:-250}" != 0 ]; then
+if [ ! -f /tmp/fill/env.json ] && [ "${FILL_S:-270}" != 0 ]; then
   ( python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
       --target /tmp/site2 .whl/*.whl && mkdir -p /tmp/cifar10 \
     && tar xJf .devdata/cifar10.tar.xz -C /tmp/cifar10 \
     && JAX_PLATFORMS=cpu PYTHONPATH=/tmp/site2:$PWD nice -n 19 python3 -c \
       "from fedjax_rcl.data.sources import load_dataset as l; d = l('imagefolder:/tmp/cifar10'); print('decoded', d.train_images.shape)"
   ) > /tmp/prep.log 2>&1 &
-  OUT=/tmp/fill timeout $(( ${FILL_S:-250} + 40 )) python3 tools/gpu_fill.py --budget-s "${FILL_S:-250}"
+  OUT=/tmp/fill timeout $(( ${FILL_S:-270} + 40 )) python3 tools/gpu_fill.py --budget-s "${FILL_S:-270}"
   echo "gpu_fill exit $? after $(( $(date +%s) - T0 )) s"
   wait
   cat /tmp/prep.log
