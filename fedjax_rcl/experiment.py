@@ -231,11 +231,15 @@ def build(cfg: CoreConfig, dataset: ImageDataset | None = None, *,
     test = put_replicated(pack_test(dataset.test_images, dataset.test_labels,
                                     cfg.eval_batch_size), mesh)
 
+    def configured(conv_impl: str) -> ModelFns:
+        return model_fns(get_model(cfg.model, num_classes=dataset.num_classes,
+                                   conv_impl=conv_impl, norm=cfg.norm, width=cfg.width,
+                                   **model_kwargs(cfg)),
+                         partitionable_init=cfg.init_threefry_partitionable)
+
     built = module is None
-    module = module or get_model(cfg.model, num_classes=dataset.num_classes,
-                                 conv_impl=cfg.conv_impl, norm=cfg.norm, width=cfg.width,
-                                 **model_kwargs(cfg))
-    model = model_fns(module, partitionable_init=cfg.init_threefry_partitionable)
+    model = (configured(cfg.conv_impl) if built else
+             model_fns(module, partitionable_init=cfg.init_threefry_partitionable))
     # Local training (and the algorithm's own forward passes) in the configured precision;
     # evaluation and analysis in float32.
     train_model = with_precision(model, cfg.precision)
@@ -253,10 +257,7 @@ def build(cfg: CoreConfig, dataset: ImageDataset | None = None, *,
     if built and conv_impl != resolve_conv_impl(cfg.conv_impl):
         # Local training with per-client weights side by side: its own convolutions (the
         # same weights and results; evaluation keeps the model's).
-        train_model = with_precision(
-            model_fns(get_model(cfg.model, num_classes=dataset.num_classes, conv_impl=conv_impl,
-                                norm=cfg.norm, width=cfg.width, **model_kwargs(cfg)),
-                      partitionable_init=cfg.init_threefry_partitionable), cfg.precision)
+        train_model = with_precision(configured(conv_impl), cfg.precision)
 
     def program_for(cfg: CoreConfig) -> TrainingProgram:
         # Everything the config's training settings decide; a grid calls it again with one
