@@ -16,8 +16,10 @@ from fedjax_rcl.nn.conv import (
     patch_conv_general_dilated,
     prefers_rows,
     resolve_conv_impl,
+    input_grad_rule,
     row_conv_general_dilated,
 )
+from fedjax_rcl.nn import conv as conv_module
 
 IMPLS = {"patches": patch_conv_general_dilated, "rows": row_conv_general_dilated,
          "cpu": cpu_conv_general_dilated, "onednn": onednn_conv_general_dilated}
@@ -44,6 +46,8 @@ DN = ("NHWC", "HWIO", "NHWC")
         ((2, 7, 10, 3), (3, 3, 3, 2), (2, 1), "SAME"),
         ((2, 8, 8, 3), (3, 2, 3, 4), (1, 2), ((2, 0), (1, 3))),  # asymmetric everything
         ((2, 32, 32, 3), (5, 5, 3, 6), (1, 1), "VALID"),  # MOON conv1, rows under "cpu"
+        ((2, 8, 8, 6), (3, 3, 6, 4), (1, 1), "SAME"),  # narrowing: the flipped input gradient
+        ((2, 6, 6, 4), (3, 3, 4, 4), (1, 1), ((1, 1), (1, 1))),  # ResNet's tie: flipped
     ],
 )
 @pytest.mark.parametrize("impl", sorted(IMPLS))
@@ -101,6 +105,53 @@ def test_unsupported_convolutions_are_refused(impl):
         IMPLS[impl](x, jnp.ones((3, 3, 4, 4)), (1, 1), "SAME", rhs_dilation=(2, 2))
     with pytest.raises(ValueError, match="channels"):
         IMPLS[impl](x, jnp.ones((3, 3, 3, 4)), (1, 1), "SAME")
+
+
+@pytest.mark.parametrize("rule", ["flipped", "col2im"])
+@pytest.mark.parametrize("shape,kernel,padding", [
+    ((2, 8, 8, 3), (3, 3, 3, 5), ((1, 1), (1, 1))),
+    ((2, 8, 8, 6), (3, 3, 6, 4), "SAME"),
+    ((2, 10, 10, 4), (3, 3, 4, 8), "VALID"),  # pfl's conv2, widening and valid
+    ((2, 9, 9, 2), (5, 5, 2, 3), ((2, 1), (0, 2))),  # asymmetric padding within k - 1
+])
+def test_both_patch_input_gradients_are_exact(monkeypatch, rule, shape, kernel, padding):
+    """Each input-gradient rule of the patch convolution, forced, equals XLA's gradient in
+    float64 (the auto rule picks one of these two; test_matmul_convs_match_native covers it)."""
+    monkeypatch.setattr(conv_module, "INPUT_GRAD_RULE", rule)
+    with jax.enable_x64(True):
+        kx, kw, kg = jax.random.split(jax.random.PRNGKey(4), 3)
+        x = jax.random.normal(kx, shape, jnp.float64)
+        w = jax.random.normal(kw, kernel, jnp.float64)
+        g = jax.random.normal(kg, lax.conv_general_dilated(x, w, (1, 1), padding,
+                                                           dimension_numbers=DN).shape,
+                              jnp.float64)
+        grads = [jax.grad(lambda x, w, f=f: jnp.sum(f(x, w, (1, 1), padding,
+                                                      dimension_numbers=DN) * g),
+                          argnums=(0, 1))(x, w)
+                 for f in (patch_conv_general_dilated, lax.conv_general_dilated)]
+        assert input_grad_rule(x.shape, g.shape, w.shape, (1, 1),
+                               lax.padtype_to_pads(shape[1:3], kernel[:2], (1, 1), padding)
+                               if isinstance(padding, str) else padding) == rule
+    chex.assert_trees_all_close(grads[0], grads[1], atol=1e-10, rtol=1e-10)
+
+
+def test_input_gradient_rule_writes_fewer_values():
+    """Flipped-kernel patches write k*k*C_out per input position, col2im k*k*C_in per output
+    position: widening layers take col2im, narrowing ones and ResNet's ties the flipped rule,
+    strided ones col2im (the only exact one there)."""
+    same, valid = ((1, 1), (1, 1)), ((0, 0), (0, 0))
+    assert input_grad_rule((10, 30, 30, 32), (10, 28, 28, 64), (3, 3, 32, 64), (1, 1),
+                           valid) == "col2im"  # pfl-research's conv2
+    assert input_grad_rule((50, 14, 14, 6), (50, 10, 10, 16), (5, 5, 6, 16), (1, 1),
+                           valid) == "col2im"  # MOON's conv2
+    assert input_grad_rule((50, 32, 32, 64), (50, 32, 32, 64), (3, 3, 64, 64), (1, 1),
+                           same) == "flipped"  # ResNet-18's stage 1
+    assert input_grad_rule((50, 8, 8, 64), (50, 8, 8, 32), (3, 3, 64, 32), (1, 1),
+                           same) == "flipped"
+    assert input_grad_rule((50, 32, 32, 64), (50, 16, 16, 128), (3, 3, 64, 128), (2, 2),
+                           same) == "col2im"
+    # Valid padding of a narrowing layer: fewer output positions tip it to col2im.
+    assert input_grad_rule((1, 6, 6, 8), (1, 2, 2, 4), (5, 5, 8, 4), (1, 1), valid) == "col2im"
 
 
 def test_cpu_rule_picks_rows_only_for_narrow_inputs():

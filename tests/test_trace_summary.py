@@ -40,6 +40,7 @@ HLO = """HloModule jit_run_rounds, is_scheduled=true
   %gte = f32[64]{0} get-tuple-element(%arg), index=1
   %loop_add_fusion = f32[64]{0} fusion(%gte, %gte), kind=kLoop, calls=%fused_add
   %copy.4 = f32[64]{0} copy(%loop_add_fusion)
+  %loop_add_fusion.1 = f32[64]{0} fusion(%copy.4, %gte), kind=kLoop, calls=%fused_add
   ROOT %tuple = (s32[], f32[64]{0}) tuple(%gte, %copy.4)
 }
 
@@ -97,6 +98,8 @@ def test_a_gpu_trace_splits_kernel_time_by_category_and_counts_idle_gaps(tmp_pat
               _event(100, 10, "nvjet_tst_64x8", kernel_details="x"),  # in a CUDA graph
               _event(110, 10, "k", kernel_annotation="while.1:#hlo_op=while.1#::"
                      "cublas-gemm.1:#hlo_op=cublas-gemm.1,hlo_module=jit_run_rounds#"),
+              _event(120, 5, "loop_add_fusion_1", kernel_annotation=  # a CUDA graph's kernel
+                     "command_buffer_3:#hlo_op=command_buffer_3,hlo_module=jit_run_rounds#"),
               _event(0, 120, "conv_fusion", tid=2, hlo_op="conv_fusion"),  # derived track
               _event(0, 500, "PjitFunction", pid=9, hlo_op="dot.9")]  # host, not device
     path = tmp_path / "plugins" / "profile" / "run1" / "perfetto_trace.json.gz"
@@ -106,17 +109,20 @@ def test_a_gpu_trace_splits_kernel_time_by_category_and_counts_idle_gaps(tmp_pat
     assert trace_summary.trace_file(tmp_path) == path
     s = trace_summary.summarise(*trace_summary.load_events(path),
                                 trace_summary.hlo_categories(HLO))
-    assert s["where"] == "device" and s["events"] == 6
+    assert s["where"] == "device" and s["events"] == 7
     assert s["seconds"]["convolution"] == pytest.approx(40e-6)
     # The triton dot, the nvjet kernel (by its name) and the annotated cuBLAS call.
     assert s["seconds"]["matmul"] == pytest.approx(40e-6)
-    assert s["seconds"]["elementwise"] == pytest.approx(10e-6)
+    assert s["seconds"]["elementwise"] == pytest.approx(15e-6)
     assert s["seconds"]["copy"] == pytest.approx(10e-6)
-    assert s["shares"]["convolution"] == pytest.approx(0.4)
-    assert s["span_s"] == pytest.approx(120e-6) and s["idle_s"] == pytest.approx(20e-6)
-    assert s["share_named_by_hlo"] == pytest.approx(0.8)
+    assert s["shares"]["convolution"] == pytest.approx(40 / 105)
+    assert s["span_s"] == pytest.approx(125e-6) and s["idle_s"] == pytest.approx(20e-6)
+    assert s["share_named_by_hlo"] == pytest.approx(85 / 105)
     assert s["top_ops"][0] == {"op": "conv_fusion", "category": "convolution", "s": 40e-6,
                                "count": 1}
+    # The graph's kernel is listed under its own fusion, not the command buffer.
+    assert {"op": "loop_add_fusion.1", "category": "elementwise", "s": 5e-6,
+            "count": 1} in s["top_ops"]
 
 
 def test_a_cpu_trace_counts_operations_on_every_thread_and_skips_control_flow():

@@ -16,7 +16,9 @@ limit keeps what it measured), the most telling first:
    default under the JAX profiler, summarised by ``fedjax_rcl.engine.trace_summary`` as shares
    of convolutions, matrix products, element-wise work, copies and idle time; then the other
    formulations, each compiled in this process, timed in rotation with the default (same
-   process, so every ratio is a same-run ratio) and profiled too. Seconds per training round,
+   process, so every ratio is a same-run ratio) and profiled too: the patch convolutions with
+   their earlier input gradient (``input_grad=flipped``), bf16, XLA's convolutions. Seconds
+   per training round,
    GFLOP/s and % of the fp32 matmul peak measured in the same process.
 3. ``runs.json``: K runs of one program (``fedjax_rcl.grid``'s compiled program, as
    ``seeds=[0..K-1]`` runs it, with K copies of seed 0's run: the same shapes and work) side
@@ -33,8 +35,8 @@ and its CUDA plugin, the processor), ``gpu_fill.md`` (the tables), ``gpu_fill.lo
 (everything printed) and ``gpu_check.log`` (the wheels' install): 9 files with the parts', one
 over the device tool's 8, so a call runs it with ``OUT`` elsewhere and packs the folder
 (``experiments/paper_resnet18_gpu/device_lease.sh`` does). Traces stay in
-``/tmp/gpu_fill_trace`` (``KEEP_TRACE=1`` copies the default's, when under 4 MB, as
-``pfl_round.json.gz``).
+``/tmp/gpu_fill_trace`` and are copied, each under 4 MB (tens of kilobytes for a round), to
+``traces/`` (not with ``KEEP_TRACE=0``).
 
 On the device (carry ``.whl``, the wheels ``tools/gpu_check.py``'s docstring downloads; this
 script needs only omegaconf of them; timeout_s 300)::
@@ -69,7 +71,11 @@ TRACE_KEEP_BYTES = 4 * 2**20
 # The pfl workload's formulations, the default ("current") first (key=value overrides). The
 # 2026-11-28 lease measured XLA's grouped convolutions, patches, bf16 and the client layouts;
 # the default now resolves to the patch convolutions there, so this checks that it does.
-FORMULATIONS = ("", "conv_impl=native", "precision=bf16", "conv_impl=native,precision=bf16")
+# "input_grad=flipped": the patch convolutions with their earlier input gradient (not a config
+# key: nn.conv.INPUT_GRAD_RULE while this formulation compiles), against the default's col2im
+# for pfl's widening conv2 (less than half the values written).
+FORMULATIONS = ("", "input_grad=flipped", "precision=bf16", "conv_impl=native",
+                "conv_impl=native,precision=bf16")
 # ours beside pfl (tools/bench_pfl.py --variants) and pfl's process counts.
 PFL_VARIANTS = ("precision=bf16", "conv_impl=native")
 PFL_WORKERS = (8,)
@@ -264,9 +270,14 @@ class Formulation:
         from fedjax_rcl.engine.round import make_run_rounds
         from fedjax_rcl.experiment import build
 
+        from fedjax_rcl.nn import conv
+
         self.name = overrides or "current"
         self.rounds, self.jax, self.np = rounds, jax, np
-        self.exp = build(pfl_config(tuple(overrides.split(",")) if overrides else ()), data)
+        items = overrides.split(",") if overrides else []
+        rule = [o.split("=", 1)[1] for o in items if o.startswith("input_grad=")]
+        items = [o for o in items if not o.startswith("input_grad=")]
+        self.exp = build(pfl_config(tuple(items)), data)
         self.step_gflop, self.round_gflop = round_gflop(self.exp)
         from fedjax_rcl.engine.round import clients_per_round
         from fedjax_rcl.experiment import clients_in_parallel
@@ -277,8 +288,13 @@ class Formulation:
                                 per_round)
         t = time.perf_counter()
         fused = jax.jit(make_run_rounds(self.exp.run_round, rounds), donate_argnums=0)
-        self.compiled = fused.lower(self.exp.state, self.exp.data,
-                                    jax.device_put(np.int32(rounds))).compile()
+        saved = conv.INPUT_GRAD_RULE
+        conv.INPUT_GRAD_RULE = rule[0] if rule else saved
+        try:  # the rule is read when the gradient is traced, here
+            self.compiled = fused.lower(self.exp.state, self.exp.data,
+                                        jax.device_put(np.int32(rounds))).compile()
+        finally:
+            conv.INPUT_GRAD_RULE = saved
         self.compile_s = time.perf_counter() - t
         self.state = self.exp.state
         self.advance(rounds)  # warm-up
@@ -352,8 +368,8 @@ def _medians(doc: dict) -> None:
 
 
 def _profile_one(f: Formulation, doc: dict, out: Path, profile) -> None:
-    """One fused round of ``f`` under the profiler; keeps the current one's trace if small and
-    asked (``KEEP_TRACE=1``)."""
+    """One fused round of ``f`` under the profiler; keeps its trace in ``traces/`` when under
+    ``TRACE_KEEP_BYTES`` (not with ``KEEP_TRACE=0``): a round's is tens of kilobytes."""
     log_dir = Path(f"/tmp/gpu_fill_trace/{f.name.replace(',', '_').replace('=', '-')}")
     shutil.rmtree(log_dir, ignore_errors=True)
     try:
@@ -361,10 +377,11 @@ def _profile_one(f: Formulation, doc: dict, out: Path, profile) -> None:
     except Exception as e:  # noqa: BLE001 - the timings must still be written
         doc["profiles"][f.name] = {"error": repr(e)[:2000]}
         return
-    if (os.environ.get("KEEP_TRACE") == "1" and f.name == "current"
-            and s["trace_bytes"] <= TRACE_KEEP_BYTES):
-        shutil.copyfile(s["trace"], out / "pfl_round.json.gz")
-        s["trace_kept"] = "pfl_round.json.gz"
+    if os.environ.get("KEEP_TRACE") != "0" and s["trace_bytes"] <= TRACE_KEEP_BYTES:
+        kept = Path("traces") / f"{log_dir.name}.json.gz"
+        (out / "traces").mkdir(exist_ok=True)
+        shutil.copyfile(s["trace"], out / kept)
+        s["trace_kept"] = str(kept)
     doc["profiles"][f.name] = s
     shares = ", ".join(f"{k} {100 * v:.0f} %" for k, v in s["shares"].items())
     print(f"profile: {f.name}: {shares}; idle {100 * s['idle_share_of_span']:.0f} % of "

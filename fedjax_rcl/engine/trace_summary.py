@@ -24,7 +24,9 @@ the data-movement operations as copies. Control flow (``while``, ``conditional``
 is left out: on a CPU its event spans its body's events. An event whose operation is not in
 the HLO (a memory copy, a kernel inside a CUDA graph that carries no operation name) is
 classified by its own name. ``top_ops`` lists the costliest operations with their category,
-so that a wrong category can be seen and fixed from the file.
+so that a wrong category can be seen and fixed from the file; a kernel inside a CUDA graph is
+listed under its own fusion where its name gives one, not under the graph's command buffer
+(which would sum the whole round's element-wise kernels into one line).
 
 Idle: the span from the first operation's start to the last one's end, less the time covered
 by at least one operation: launch gaps and host waits inside the call (on a CPU, where
@@ -210,13 +212,15 @@ def _hlo_op(args: dict) -> str:
     return ""
 
 
-def _category(hlo_op: str, name: str, categories: dict[str, str]) -> tuple[str, bool]:
-    """(category, whether the HLO named it): by the operation, else by a kernel named after
-    its fusion (``loop_add_fusion_3`` for ``loop_add_fusion.3``), else by the names."""
+def _category(hlo_op: str, name: str, categories: dict[str, str]) -> tuple[str, str]:
+    """(category, the HLO operation that named it or ``""``): by the operation, else by a
+    kernel named after its fusion (``loop_add_fusion_3`` for ``loop_add_fusion.3``: a kernel of
+    a CUDA graph, whose annotation names only the graph's command buffer), else by the
+    names."""
     for key in (hlo_op, name, re.sub(r"_(\d+)$", r".\1", name)):
         if key and key in categories:
-            return categories[key], True
-    return _by_name(f"{hlo_op} {name}"), False
+            return categories[key], key
+    return _by_name(f"{hlo_op} {name}"), ""
 
 
 def _union(intervals: list[tuple[float, float]]) -> float:
@@ -245,7 +249,7 @@ def summarise(events: list[dict], names: dict, categories: dict[str, str],
         named += e["dur"] if by_hlo else 0.0
         per[cat] += e["dur"]
         count[cat] += 1
-        key = (hlo_op or e.get("name", "?"), cat)
+        key = (by_hlo or hlo_op or e.get("name", "?"), cat)
         by_op[key][0] += e["dur"]
         by_op[key][1] += 1
         intervals.append((e["ts"], e["ts"] + e["dur"]))

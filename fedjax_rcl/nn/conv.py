@@ -182,12 +182,17 @@ def _patch_conv_fwd(x, w, strides, padding, precision, preferred_element_type):
 
 
 def _patch_conv_bwd(strides, padding, precision, preferred_element_type, residuals, g):
-    """Hand-written gradient. Autodiff's input gradient is col2im: ``g @ w^T`` expanded to
-    ``k_h k_w`` patches, each padded back to the input's size and summed. XLA:CPU fuses that
-    sum with whatever gradient arrives at the same tensor into one slow transposing loop (with
-    FedRCL's feature-level losses, a ResNet-18 step is markedly slower; BENCHMARKS.md). For
-    stride 1 the input gradient is instead the convolution of ``g`` with the flipped,
-    in/out-swapped kernel, done as patches.
+    """Hand-written gradient. The input gradient is one of two exact formulations, whichever
+    writes fewer values (``input_grad_rule``):
+
+    * ``"flipped"`` (stride 1 only): the convolution of ``g`` with the flipped, in/out-swapped
+      kernel, done as patches: ``k_h k_w C_out`` values per input position. Autodiff's col2im
+      fused badly on XLA:CPU (with FedRCL's feature-level losses a ResNet-18 step was markedly
+      slower; BENCHMARKS.md), and for ``C_in == C_out`` this rule is kept.
+    * ``"col2im"``: ``g @ w^T`` as ``k_h k_w C_in`` values per output position, each tap
+      shifted back to the input's place and summed (the transpose of the patch extraction).
+      For a layer that widens (``C_in < C_out``: pfl-research's CNN, 32 -> 64) it writes less
+      than half as much, which is what a memory-bound GPU round pays for.
     """
     patches, w, x = residuals
     kh, kw, cin, cout = w.shape
@@ -196,16 +201,42 @@ def _patch_conv_bwd(strides, padding, precision, preferred_element_type, residua
                          precision=precision).reshape(w.shape).astype(w.dtype)
     flipped_pads = tuple((k - 1 - lo, k - 1 - hi) for k, (lo, hi) in zip((kh, kw), padding,
                                                                            strict=True))
-    if tuple(strides) == (1, 1) and all(0 <= p <= k - 1 for k, pair in
-                                        zip((kh, kw), flipped_pads, strict=True) for p in pair):
+    if input_grad_rule(x.shape, g.shape, w.shape, strides, padding) == "flipped":
         wt = jnp.flip(w, (0, 1)).transpose(0, 1, 3, 2)
         dx = _patch_matmul(g, wt, (1, 1), flipped_pads, precision, None)[0]
-    else:  # strided or unusual padding: col2im, the transpose of the patch extraction
+    else:
         extract = functools.partial(_padded_patches, kh=kh, kw=kw, strides=strides,
                                     padding=padding)
         dx = jax.linear_transpose(extract, x)(jnp.dot(g, w.reshape(-1, cout).T,
                                                       precision=precision))[0]
     return dx.astype(x.dtype), dw
+
+
+# The input-gradient rule of the patch convolution: "auto" (fewer values written), or
+# "flipped" / "col2im" wherever each is exact; a benchmark's switch for timing one against the
+# other in one process (read when a gradient is traced).
+INPUT_GRAD_RULE = "auto"
+
+
+def input_grad_rule(x_shape, g_shape, w_shape, strides, padding) -> str:
+    """``"flipped"`` or ``"col2im"``: how ``_patch_conv_bwd`` forms the input gradient.
+
+    The flipped-kernel patches exist only for stride 1 with padding at most ``k - 1`` a side;
+    where both exist, ``"auto"`` takes the one that writes fewer values:
+    ``k_h k_w C_out H_in W_in`` (patches of ``g`` at the input's size) against
+    ``k_h k_w C_in H_out W_out`` (``g @ w^T`` at the output's size), and ``"flipped"`` on a
+    tie (XLA:CPU's col2im fusion, above).
+    """
+    kh, kw, cin, cout = w_shape
+    flipped_pads = [k - 1 - p for k, pair in zip((kh, kw), padding, strict=True) for p in pair]
+    if tuple(strides) != (1, 1) or not all(0 <= p <= k - 1 for k, p in
+                                           zip((kh, kh, kw, kw), flipped_pads, strict=True)):
+        return "col2im"
+    if INPUT_GRAD_RULE != "auto":
+        return INPUT_GRAD_RULE
+    flipped = cout * x_shape[1] * x_shape[2]
+    col2im = cin * g_shape[1] * g_shape[2]
+    return "col2im" if col2im < flipped else "flipped"
 
 
 _patch_conv.defvjp(_patch_conv_fwd, _patch_conv_bwd)
