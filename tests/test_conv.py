@@ -9,17 +9,17 @@ import pytest
 from jax import lax
 
 from fedjax_rcl.models import get_model, model_fns
+from fedjax_rcl.nn import conv as conv_module
 from fedjax_rcl.nn import max_pool, onednn
 from fedjax_rcl.nn.conv import (
     cpu_conv_general_dilated,
+    input_grad_rule,
     onednn_conv_general_dilated,
     patch_conv_general_dilated,
     prefers_rows,
     resolve_conv_impl,
-    input_grad_rule,
     row_conv_general_dilated,
 )
-from fedjax_rcl.nn import conv as conv_module
 
 IMPLS = {"patches": patch_conv_general_dilated, "rows": row_conv_general_dilated,
          "cpu": cpu_conv_general_dilated, "onednn": onednn_conv_general_dilated}

@@ -269,7 +269,6 @@ class Formulation:
 
         from fedjax_rcl.engine.round import make_run_rounds
         from fedjax_rcl.experiment import build
-
         from fedjax_rcl.nn import conv
 
         self.name = overrides or "current"
