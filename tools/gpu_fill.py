@@ -28,7 +28,8 @@ limit keeps what it measured), the most telling first:
    choice ``runs_in_parallel=0`` makes there (the layout cost model on the runs' step work).
 4. ``clients.json``: client-steps per second of the compiled round with 1, 50, 200 and 10
    clients side by side for MOON's CNN and pfl's CNN (50 steps of batch 50 per client,
-   ``tools/bench_round.py``'s worker), and 50 with ``conv_impl=native`` beside them.
+   ``tools/bench_round.py``'s worker), and 50 with ``conv_impl=native`` beside them; then,
+   if time is left, ResNet-18's 5 clients one at a time and side by side (patches).
 
 Besides: ``env.json`` (the card from ``nvidia-smi``, driver, CUDA, the versions of JAX, jaxlib
 and its CUDA plugin, the processor), ``gpu_fill.md`` (the tables), ``gpu_fill.log``
@@ -88,7 +89,10 @@ RUNS = ([(m, k, k, "") for k in (1, 8) for m in ("cnn", "pfl")]
 # at 50 beside it.
 CLIENTS = ([(m, c, "side-by-side") for c in (1, 50) for m in ("cnn", "pfl_cnn")]
            + [(m, 50, "side-by-side-native") for m in ("cnn", "pfl_cnn")]
-           + [(m, c, "side-by-side") for c in (200, 10) for m in ("cnn", "pfl_cnn")])
+           + [(m, c, "side-by-side") for c in (200, 10) for m in ("cnn", "pfl_cnn")]
+           # Last, if time is left: the GPU's layout threshold was fitted with grouped
+           # convolutions; does ResNet-18 (the paper runs' model) now gain side by side?
+           + [("resnet18", 5, "one-at-a-time"), ("resnet18", 5, "side-by-side")])
 
 
 def tiny() -> bool:
