@@ -135,6 +135,31 @@ def test_both_patch_input_gradients_are_exact(monkeypatch, rule, shape, kernel, 
     chex.assert_trees_all_close(grads[0], grads[1], atol=1e-10, rtol=1e-10)
 
 
+@pytest.mark.parametrize("rule", ["flipped", "col2im"])
+def test_bfloat16_input_gradients_round_once(monkeypatch, rule):
+    """In bfloat16 both rules round the input gradient once: col2im sums its k_h k_w taps in
+    float32, as the flipped rule's matmul accumulates, instead of rounding every tap and
+    partial sum to bfloat16 (which doubled the error). Reference: float64 on the same
+    bfloat16-rounded operands, so what is left is the final rounding (at most 2^-8 relative)."""
+    monkeypatch.setattr(conv_module, "INPUT_GRAD_RULE", rule)
+    kx, kw, kg = jax.random.split(jax.random.PRNGKey(5), 3)
+    bf = jnp.bfloat16
+    x = jax.random.normal(kx, (4, 14, 14, 16)).astype(bf)
+    w = (jax.random.normal(kw, (3, 3, 16, 32)) / 12).astype(bf)
+    g = jax.random.normal(kg, (4, 12, 12, 32)).astype(bf)
+    dx = jax.grad(lambda x: jnp.sum((patch_conv_general_dilated(
+        x, w, (1, 1), "VALID", dimension_numbers=DN) * g).astype(jnp.float32)))(x)
+    assert dx.dtype == bf
+    with jax.enable_x64(True):
+        f64 = lambda a: jnp.asarray(np.asarray(a.astype(jnp.float32)), jnp.float64)
+        ref = jax.grad(lambda x: jnp.sum(lax.conv_general_dilated(
+            x, f64(w), (1, 1), "VALID", dimension_numbers=DN) * f64(g)))(f64(x))
+        err = np.asarray(f64(dx) - ref)
+        ref = np.asarray(ref)
+    assert np.linalg.norm(err) / np.linalg.norm(ref) < 2.0 ** -8.5
+    assert np.all(np.abs(err) <= 2.0 ** -7 * np.abs(ref) + 1e-4)
+
+
 def test_input_gradient_rule_writes_fewer_values():
     """Flipped-kernel patches write k*k*C_out per input position, col2im k*k*C_in per output
     position: widening layers take col2im, narrowing ones and ResNet's ties the flipped rule,

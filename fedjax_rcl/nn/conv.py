@@ -204,11 +204,13 @@ def _patch_conv_bwd(strides, padding, precision, preferred_element_type, residua
     if input_grad_rule(x.shape, g.shape, w.shape, strides, padding) == "flipped":
         wt = jnp.flip(w, (0, 1)).transpose(0, 1, 3, 2)
         dx = _patch_matmul(g, wt, (1, 1), flipped_pads, precision, None)[0]
-    else:
+    else:  # the k_h k_w taps summed in float32 at least, as the matmul above accumulates
+        acc = jnp.promote_types(x.dtype, jnp.float32)
         extract = functools.partial(_padded_patches, kh=kh, kw=kw, strides=strides,
                                     padding=padding)
-        dx = jax.linear_transpose(extract, x)(jnp.dot(g, w.reshape(-1, cout).T,
-                                                      precision=precision))[0]
+        cols = jnp.dot(g, w.reshape(-1, cout).T, precision=precision,
+                       preferred_element_type=acc)
+        dx = jax.linear_transpose(extract, jax.ShapeDtypeStruct(x.shape, acc))(cols)[0]
     return dx.astype(x.dtype), dw
 
 
