@@ -131,9 +131,10 @@ def patch_conv_general_dilated(
     The concatenation order ``(p, q, c)`` is exactly the row-major order of an HWIO kernel, so the
     kernel reshape is free. Memory: about ``k_h * k_w`` times the input activations.
 
-    The gradient is hand-written (``_patch_conv_bwd``): for stride 1 the input gradient is the
-    patch convolution of the output gradient with the flipped kernel instead of autodiff's
-    col2im, which XLA:CPU fuses badly (benchmarks/HISTORY.md).
+    The gradient is hand-written (``_patch_conv_bwd``): the input gradient is col2im or, for
+    stride 1, the patch convolution of the output gradient with the flipped kernel, whichever
+    writes fewer values (``input_grad_rule``; autodiff's col2im for layers of equal widths
+    XLA:CPU fused badly, benchmarks/HISTORY.md).
 
     Supports what the models here use: explicit or string padding, any stride, no dilation,
     ``feature_group_count == 1``. Anything else raises ``ValueError`` at trace time.
@@ -191,8 +192,8 @@ def _patch_conv_bwd(strides, padding, precision, preferred_element_type, residua
       slower; BENCHMARKS.md), and for ``C_in == C_out`` this rule is kept.
     * ``"col2im"``: ``g @ w^T`` as ``k_h k_w C_in`` values per output position, each tap
       shifted back to the input's place and summed (the transpose of the patch extraction).
-      For a layer that widens (``C_in < C_out``: pfl-research's CNN, 32 -> 64) it writes less
-      than half as much, which is what a memory-bound GPU round pays for.
+      A layer that widens (``C_in < C_out``) writes less so: pfl-research's conv2 (32 -> 64,
+      valid) 0.44 times as much, and a memory-bound round pays for what it writes.
     """
     patches, w, x = residuals
     kh, kw, cin, cout = w.shape
