@@ -14,7 +14,8 @@
 #
 # ONLY and EXTRA are passed on (default: the released-loss FedRCL, 500 rounds in bf16,
 # evaluated every round as the config says). $OUT gets fill.tar.gz (the speed script's files)
-# and the run's device.log, <run>.log and <run>.jsonl: within the tool's 8 files.
+# and the run's device.log, <run>.log, <run>.jsonl and records.tar.gz: within the tool's 8 files
+# for up to two runs.
 set -u
 export PYTHONUNBUFFERED=1
 T0=$(date +%s)

@@ -28,8 +28,11 @@
 # 75 with 4:2:0 chroma subsampling), not the lossless binary release. The tar.xz holds the
 # zip's JPEG files unchanged: decoded from the folder they give arrays equal to those decoded
 # from the zip (checked: every array equal, and the named CIFAR-10 mean/std recognised from the
-# folder as from the zip). Results: $OUT/<run>.jsonl,
-# $OUT/<run>.log; experiments/paper_resnet18_gpu/README.md records what came back.
+# folder as from the zip). Results: $OUT/<run>.jsonl, $OUT/<run>.log and $OUT/records.tar.gz
+# (the run directories without checkpoints); on the host,
+#   python experiments/paper_resnet18_gpu/import_records.py CALL_DIR [CALL_DIR ...]
+# files them under experiments/runs/paper_gpu_h200_every_round/ (the calls of one run in
+# order); experiments/paper_resnet18_gpu/README.md records what came back.
 set -u
 OUT=${OUT:-/tmp/out}
 SECONDS_PER_RUN=${SECONDS_PER_RUN:-400}
@@ -81,10 +84,16 @@ for name in $ONLY; do
   pids+=($!)
 done
 wait "${pids[@]}"  # (a bare `wait` would also wait for the tee above, forever)
+dirs=()
 for name in $ONLY; do
   cp "$(run_dir "$name")/metrics.jsonl" "$OUT/$name.jsonl"
   tail -n 3 "$OUT/$name.log"
+  dirs+=("$(basename "$(run_dir "$name")")")
 done
+# The runs' own records (config.yaml, commands.txt, environment.jsonl, metrics.jsonl), without
+# checkpoints, for import_records.py: one file, so that with device.log, the logs and the
+# metrics copies three runs are 8 files.
+tar czf "$OUT/records.tar.gz" -C /tmp/runs --exclude=checkpoints "${dirs[@]}"
 python3 - "$OUT" <<'EOF'
 import json, pathlib, statistics, sys
 for p in sorted(pathlib.Path(sys.argv[1]).glob("*.jsonl")):
