@@ -243,13 +243,13 @@ def summarise(events: list[dict], names: dict, categories: dict[str, str],
     intervals, named = [], 0.0
     for e in ops:
         hlo_op = _hlo_op(e.get("args", {}))
-        cat, by_hlo = _category(hlo_op, str(e.get("name", "")), categories)
+        cat, hlo_name = _category(hlo_op, str(e.get("name", "")), categories)
         if cat == "control":
             continue
-        named += e["dur"] if by_hlo else 0.0
+        named += e["dur"] if hlo_name else 0.0
         per[cat] += e["dur"]
         count[cat] += 1
-        key = (by_hlo or hlo_op or e.get("name", "?"), cat)
+        key = (hlo_name or hlo_op or e.get("name", "?"), cat)
         by_op[key][0] += e["dur"]
         by_op[key][1] += 1
         intervals.append((e["ts"], e["ts"] + e["dur"]))

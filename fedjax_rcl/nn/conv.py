@@ -200,11 +200,9 @@ def _patch_conv_bwd(strides, padding, precision, preferred_element_type, residua
     g = g.astype(patches.dtype)
     dw = lax.dot_general(patches, g, (((0, 1, 2), (0, 1, 2)), ((), ())),
                          precision=precision).reshape(w.shape).astype(w.dtype)
-    flipped_pads = tuple((k - 1 - lo, k - 1 - hi) for k, (lo, hi) in zip((kh, kw), padding,
-                                                                           strict=True))
     if input_grad_rule(x.shape, g.shape, w.shape, strides, padding) == "flipped":
         wt = jnp.flip(w, (0, 1)).transpose(0, 1, 3, 2)
-        dx = _patch_matmul(g, wt, (1, 1), flipped_pads, precision, None)[0]
+        dx = _patch_matmul(g, wt, (1, 1), _flipped_pads(kh, kw, padding), precision, None)[0]
     else:  # the k_h k_w taps summed in float32 at least, as the matmul above accumulates
         acc = jnp.promote_types(x.dtype, jnp.float32)
         extract = functools.partial(_padded_patches, kh=kh, kw=kw, strides=strides,
@@ -213,6 +211,12 @@ def _patch_conv_bwd(strides, padding, precision, preferred_element_type, residua
                        preferred_element_type=acc)
         dx = jax.linear_transpose(extract, jax.ShapeDtypeStruct(x.shape, acc))(cols)[0]
     return dx.astype(x.dtype), dw
+
+
+def _flipped_pads(kh: int, kw: int, padding) -> tuple[tuple[int, int], ...]:
+    """The padding of the output gradient whose stride-1 patch convolution with the flipped
+    kernel is the input gradient."""
+    return tuple((k - 1 - lo, k - 1 - hi) for k, (lo, hi) in zip((kh, kw), padding, strict=True))
 
 
 # The input-gradient rule of the patch convolution: "auto" (fewer values written), or
@@ -231,9 +235,9 @@ def input_grad_rule(x_shape, g_shape, w_shape, strides, padding) -> str:
     tie (XLA:CPU's col2im fusion, above).
     """
     kh, kw, cin, cout = w_shape
-    flipped_pads = [k - 1 - p for k, pair in zip((kh, kw), padding, strict=True) for p in pair]
-    if tuple(strides) != (1, 1) or not all(0 <= p <= k - 1 for k, p in
-                                           zip((kh, kh, kw, kw), flipped_pads, strict=True)):
+    if tuple(strides) != (1, 1) or not all(
+            0 <= p <= k - 1 for k, pair in zip((kh, kw), _flipped_pads(kh, kw, padding),
+                                               strict=True) for p in pair):
         return "col2im"
     if INPUT_GRAD_RULE != "auto":
         return INPUT_GRAD_RULE
