@@ -51,6 +51,7 @@ import argparse
 import dataclasses
 import json
 import math
+import resource
 import statistics
 import time
 from collections.abc import Mapping, Sequence
@@ -543,6 +544,11 @@ def _tensor(array, dtype):
     return torch.from_numpy(array).to(dtype)
 
 
+def _minor_faults() -> int:
+    """This process's minor page faults so far (``getrusage``)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
 def _set_threads(threads: int | None) -> None:
     if threads:
         torch.set_num_threads(threads)
@@ -739,9 +745,11 @@ def round_seconds(model_name: str, algorithm: str, *, clients: int = 5, steps: i
         ``torch.autocast("cpu")``; None: float32.
 
     Returns:
-      A dict: ``round_s`` (median), ``round_s_all``, ``client_step_ms`` (median round over
-      ``clients * steps``), ``images_per_s``, ``step_gflop``, ``gflop_per_s``, ``losses`` (each
-      round's mean client loss, to show training happened), settings and versions.
+      A dict: ``round_s`` (median), ``round_s_all``, ``minor_faults_all`` (the process's minor
+      page faults in each timed round: memory the allocators got afresh from the kernel),
+      ``client_step_ms`` (median round over ``clients * steps``), ``images_per_s``,
+      ``step_gflop``, ``gflop_per_s``, ``losses`` (each round's mean client loss, to show
+      training happened), settings and versions.
     """
     _require_torch()
     if steps < 1 or epochs < 1 or steps % epochs:
@@ -762,11 +770,13 @@ def round_seconds(model_name: str, algorithm: str, *, clients: int = 5, steps: i
                           flax_params=flax_params, seed=seed, autocast=autocast)
     if warmup_steps:
         fed.local_update(0, 0, max_steps=warmup_steps)
-    times, losses = [], []
+    times, losses, faults = [], [], []
     for r in range(repeats):
+        f0 = _minor_faults()
         t0 = time.perf_counter()
         out = fed.run_round(r)
         times.append(time.perf_counter() - t0)
+        faults.append(_minor_faults() - f0)
         losses.append(float(np.mean(out["client_losses"])))
     median = statistics.median(times)
     step_flops = train_step_flops(model_name, algorithm, batch, num_classes=num_classes,
@@ -781,6 +791,7 @@ def round_seconds(model_name: str, algorithm: str, *, clients: int = 5, steps: i
         "batch": batch,
         "round_s": median,
         "round_s_all": times,
+        "minor_faults_all": faults,
         "client_step_ms": 1e3 * median / (clients * steps),
         "images_per_s": clients * steps * batch / median,
         "step_gflop": step_flops / 1e9,

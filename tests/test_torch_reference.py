@@ -277,6 +277,7 @@ def test_round_and_eval_timers_run():
     r = tr.round_seconds("cnn", "moon", clients=2, steps=2, batch=20, epochs=2, data=data,
                          repeats=2, warmup_steps=1, threads=1)
     assert r["round_s"] > 0 and r["client_step_ms"] > 0 and len(r["losses"]) == 2
+    assert len(r["minor_faults_all"]) == 2 and all(f >= 0 for f in r["minor_faults_all"])
     assert all(np.isfinite(r["losses"]))
     e = tr.eval_seconds("cnn", data=data, batch=50, repeats=1, threads=1)
     assert e["images"] == 120 and 0 <= e["accuracy"] <= 1 and np.isfinite(e["loss"])

@@ -141,3 +141,26 @@ def test_a_cpu_trace_counts_operations_on_every_thread_and_skips_control_flow():
     assert s["op_s"] == pytest.approx(110e-6)
     assert s["busy_s"] == pytest.approx(85e-6) and s["span_s"] == pytest.approx(100e-6)
     assert s["idle_share_of_span"] == pytest.approx(0.15)
+
+
+def test_overlap_counts_only_time_shared_with_another_tracks_operations():
+    """A convolution on thread 1 over [0, 100): thread 2's two overlapping operations cover
+    [10, 30) once, a third [90, 110) adds 10; an operation on its own thread (a nested event)
+    does not count. Thread 2's dot overlaps the convolution for all of [10, 25), the copy for
+    [90, 100); thread 1's nested add sees nothing on thread 2 at [40, 50)."""
+    names = {"pid": {1: "/host:CPU"}, "tid": {}}
+    events = [_event(0, 100, "conv_fusion", tid=1, hlo_op="conv_fusion"),
+              _event(40, 10, "loop_add_fusion", tid=1, hlo_op="loop_add_fusion"),
+              _event(10, 15, "dot.9", tid=2, hlo_op="dot.9"),
+              _event(15, 15, "transpose_fusion", tid=2, hlo_op="transpose_fusion"),
+              _event(90, 20, "copy.4", tid=2, hlo_op="copy.4")]
+    s = trace_summary.summarise(events, names, trace_summary.hlo_categories(HLO))
+    o = s["overlapped_s"]
+    assert o["convolution"] == pytest.approx(30e-6)
+    assert o["matmul"] == pytest.approx(15e-6)
+    assert o["copy"] == pytest.approx(15e-6 + 10e-6)  # the transpose [15, 30), the copy [90, 100)
+    assert o["elementwise"] == 0.0 and o["other"] == 0.0
+    # The same operations on one thread share nothing.
+    alone = trace_summary.summarise([dict(e, tid=1) for e in events], names,
+                                    trace_summary.hlo_categories(HLO))
+    assert set(alone["overlapped_s"].values()) == {0.0}

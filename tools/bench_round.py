@@ -85,6 +85,12 @@ def matmul_peak_gflops(n: int = 2048, repeats: int = 5) -> float:
     return 2 * n**3 / best / 1e9
 
 
+def _minor_faults() -> int:
+    """This process's minor page faults so far: a round's count is the memory its allocator got
+    afresh from the kernel (XLA:CPU's working memory is mapped anew for every execution)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
 def _timed(fn) -> float:
     t = time.perf_counter()
     fn()
@@ -136,7 +142,8 @@ def worker(spec: dict) -> dict:
         r = torch_reference.round_seconds(model, algorithm, clients=clients, steps=steps,
                                           batch=batch, data=data, epochs=epochs,
                                           repeats=spec.get("repeats", 2), autocast=autocast)
-        out.update(round_s=r["round_s"], compile_s=0.0)
+        out.update(round_s=r["round_s"], compile_s=0.0,
+                   minor_faults=statistics.median(r["minor_faults_all"]))
     else:
         layout = {"one-at-a-time": 1, "side-by-side": clients, "side-by-side-patches": clients,
                   "side-by-side-native": clients}.get(mode, spec.get("chunk", 0))
@@ -155,13 +162,16 @@ def worker(spec: dict) -> dict:
             state = exp.state
             state, _ = step(state, 1)  # warm-up
             jax.block_until_ready(state)
-            times = []
+            times, faults = [], []
             for _ in range(spec.get("repeats", 2)):
+                f = _minor_faults()
                 t = time.perf_counter()
                 state, _ = step(state, 1)
                 jax.block_until_ready(state)
                 times.append(time.perf_counter() - t)
+                faults.append(_minor_faults() - f)
             out["round_s"] = statistics.median(times)
+            out["minor_faults"] = statistics.median(faults)
         else:  # sequential: a Python loop over the same jitted local update
             from fedjax_rcl.engine.round import client_keys, sample_clients
             from fedjax_rcl.server import weighted_mean
@@ -201,6 +211,9 @@ def merge_passes(results: list[dict]) -> dict:
     row["round_s"] = statistics.median(row["round_s_passes"])
     row["compile_s"] = statistics.median(r["compile_s"] for r in results)
     row["peak_rss_gb"] = max(r["peak_rss_gb"] for r in results)
+    if all("minor_faults" in r for r in results):
+        row["minor_faults_passes"] = [r["minor_faults"] for r in results]
+        row["minor_faults"] = statistics.median(row["minor_faults_passes"])
     row["client_steps_per_s"] = row["clients"] * row["steps"] / row["round_s"]
     return row
 

@@ -52,6 +52,10 @@ def main() -> None:
         print(f"  {k:12s} {v:8.3f} s  {100 * shares[k]:5.1f} %  "
               f"({summary['counts'][k]} operations run)")
     print(f"  idle share of the span: {100 * summary['idle_share_of_span']:.1f} %")
+    shared = summary["overlapped_s"]
+    print("  time shared with another thread's operations (the cores not to themselves): "
+          + ", ".join(f"{k} {shared[k]:.3f} s of {summary['seconds'][k]:.3f} s"
+                      for k in ("convolution", "elementwise") if summary["seconds"][k]))
     others = [o for o in summary["top_ops"] if o["category"] not in ("convolution", "matmul")]
     print("costliest operations other than convolutions and matrix products:")
     for o in others[:args.top]:

@@ -31,7 +31,8 @@ listed under its own fusion where its name gives one, not under the graph's comm
 Idle: the span from the first operation's start to the last one's end, less the time covered
 by at least one operation: launch gaps and host waits inside the call (on a CPU, where
 operations run on several threads at once, the category times can add up to more than the
-span).
+span). Overlapped: per category, the time its operations ran while another thread's (or
+stream's) operation ran too; on a CPU the time they did not have the cores to themselves.
 """
 
 from __future__ import annotations
@@ -43,6 +44,8 @@ import time
 from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
+
+import numpy as np
 
 CATEGORIES = ("convolution", "matmul", "elementwise", "copy", "other")
 CONTROL = {"while", "conditional", "call", "tuple", "get-tuple-element", "parameter",
@@ -232,20 +235,47 @@ def _union(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
+def overlapped(placed: list[tuple[float, float, str, object]]) -> dict[str, float]:
+    """Per category, the time its operations ran while an operation on another track (a CPU
+    thread, a GPU stream) ran too: on a CPU, the time they shared the cores with another
+    operation of the same program instead of having them to themselves (a oneDNN convolution
+    sized for every core, say, beside an element-wise fusion). ``placed``: ``(start, end,
+    category, track)`` in the trace's units."""
+    out = dict.fromkeys(CATEGORIES, 0.0)
+    if not placed:
+        return out
+    starts = np.array([p[0] for p in placed], float)
+    ends = np.array([p[1] for p in placed], float)
+    tracks = {t: i for i, t in enumerate(dict.fromkeys(p[3] for p in placed))}
+    track = np.array([tracks[p[3]] for p in placed])
+    order = np.argsort(starts, kind="stable")
+    starts_sorted, longest = starts[order], float(np.max(ends - starts))
+    for a, b, cat, t in placed:
+        # Operations that may overlap [a, b): those starting in [a - longest, b).
+        near = order[np.searchsorted(starts_sorted, a - longest):
+                     np.searchsorted(starts_sorted, b)]
+        near = near[(ends[near] > a) & (starts[near] < b) & (track[near] != tracks[t])]
+        out[cat] += _union(list(zip(np.maximum(starts[near], a), np.minimum(ends[near], b),
+                                    strict=True)))
+    return out
+
+
 def summarise(events: list[dict], names: dict, categories: dict[str, str],
               top: int = 30) -> dict:
     """Per-category time (seconds), shares of the summed operation time, the idle share of the
-    span, and the ``top`` costliest operations (trace times are microseconds)."""
+    span, the time each category shared with another track's operations (``overlapped``),
+    and the ``top`` costliest operations (trace times are microseconds)."""
     ops, where = op_events(events, names)
     per = dict.fromkeys(CATEGORIES, 0.0)
     count = dict.fromkeys(CATEGORIES, 0)
     by_op: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0.0, 0])
-    intervals, named = [], 0.0
+    intervals, named, placed = [], 0.0, []
     for e in ops:
         hlo_op = _hlo_op(e.get("args", {}))
         cat, hlo_name = _category(hlo_op, str(e.get("name", "")), categories)
         if cat == "control":
             continue
+        placed.append((e["ts"], e["ts"] + e["dur"], cat, (e.get("pid"), e.get("tid"))))
         named += e["dur"] if hlo_name else 0.0
         per[cat] += e["dur"]
         count[cat] += 1
@@ -262,6 +292,7 @@ def summarise(events: list[dict], names: dict, categories: dict[str, str],
         "op_s": total / 1e6, "span_s": span / 1e6, "busy_s": busy / 1e6,
         "idle_s": (span - busy) / 1e6, "idle_share_of_span": (span - busy) / span if span else 0,
         "seconds": {k: v / 1e6 for k, v in per.items()}, "counts": count,
+        "overlapped_s": {k: v / 1e6 for k, v in overlapped(placed).items()},
         "shares": {k: (v / total if total else 0.0) for k, v in per.items()},
         "share_named_by_hlo": named / total if total else 0.0,
         "top_ops": [{"op": k[0], "category": k[1], "s": v[0] / 1e6, "count": v[1]}
