@@ -304,8 +304,9 @@ def _partition(cfg, plot_path: str) -> int:
         name = "imagefolder:" + os.path.basename(name.split(":", 1)[1].rstrip("/"))
     setting = {"dirichlet": f"dirichlet (alpha={cfg.alpha}, "
                             f"{'balanced' if cfg.balanced else 'unbalanced'})",
-               "shards": f"shards ({cfg.shards_per_client} per client)"}.get(cfg.partition,
-                                                                           cfg.partition)
+               "shards": f"shards ({cfg.shards_per_client} per client)",
+               "file": f"split file {os.path.basename(cfg.split_file or '')}"}.get(
+                   cfg.partition, cfg.partition)
     plot_class_counts(counts, plot_path, class_names=ds.class_names,
                       title=f"{name}: {setting}, {cfg.num_clients} clients")
     print(json.dumps({**summary, "dataset": cfg.dataset, "partition": cfg.partition,

@@ -24,7 +24,7 @@ from jax.sharding import Mesh
 from fedjax_rcl import registry
 from fedjax_rcl.algorithms import ClientAlgorithm, make_algorithm, model_kwargs
 from fedjax_rcl.config import CoreConfig
-from fedjax_rcl.data import ImageDataset, load_dataset, partition
+from fedjax_rcl.data import ImageDataset, load_dataset, load_reference_split, partition
 from fedjax_rcl.data.device import ClientData, TestData, pack_clients, pack_test
 from fedjax_rcl.engine import layout
 from fedjax_rcl.engine.client import (
@@ -134,6 +134,15 @@ class Experiment:
 
 def make_partition(cfg: CoreConfig, labels: np.ndarray) -> list[np.ndarray]:
     """The configured partition, with its errors reported against config fields."""
+    if cfg.partition == "file":
+        try:
+            parts = load_reference_split(cfg.split_file, num_samples=len(labels))
+        except (OSError, ValueError) as e:
+            raise ConfigError([f"split_file={cfg.split_file!r}: {e}"]) from None
+        if len(parts) != cfg.num_clients:
+            raise ConfigError([f"split_file={cfg.split_file!r} holds {len(parts)} clients, but "
+                               f"num_clients={cfg.num_clients}: set num_clients={len(parts)}"])
+        return parts
     try:
         return partition(labels, cfg.num_clients, method=cfg.partition, seed=cfg.seed,
                          alpha=cfg.alpha, shards_per_client=cfg.shards_per_client,

@@ -74,7 +74,7 @@ def _type_name(tp) -> str:
 
 def _allowed() -> dict[str, Callable[[], tuple[str, ...]]]:
     """The keys whose values are names from a list, and where the list lives."""
-    from fedjax_rcl.data.partitioning import METHODS
+    from fedjax_rcl.data.partitioning import PARTITIONS
     from fedjax_rcl.engine.tables import CLIENT_TABLES
     from fedjax_rcl.losses.contrastive import MININGS
     from fedjax_rcl.server import AGGREGATIONS
@@ -82,7 +82,7 @@ def _allowed() -> dict[str, Callable[[], tuple[str, ...]]]:
     return {"algorithm": lambda: tuple(registry.ALGORITHMS),
             "model": lambda: tuple(registry.MODELS),
             "server.optimizer": lambda: tuple(registry.SERVER_OPTIMIZERS),
-            "partition": lambda: tuple(METHODS), "aggregation": lambda: tuple(AGGREGATIONS),
+            "partition": lambda: tuple(PARTITIONS), "aggregation": lambda: tuple(AGGREGATIONS),
             "conv_impl": lambda: registry.choices("conv_impl").values,
             "norm": lambda: registry.choices("norm").values,
             "client_states": lambda: tuple(CLIENT_TABLES),

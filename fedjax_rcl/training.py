@@ -231,11 +231,14 @@ def ema_cadence(cfg) -> str:
 
 def split_text(cfg) -> str:
     """The split a run trains on, as titles name it: ``IID``, ``Dirichlet alpha 0.3`` (FedRCL's
-    equal-size draw; MOON's is marked ``unequal sizes``) or ``2 shards a client``."""
+    equal-size draw; MOON's is marked ``unequal sizes``), ``2 shards a client`` or ``split
+    <file name>``."""
     if cfg.partition == "iid":
         return "IID"
     if cfg.partition == "shards":
         return f"{cfg.shards_per_client} shards a client"
+    if cfg.partition == "file":
+        return f"split {Path(cfg.split_file or '').name}"
     return f"Dirichlet alpha {cfg.alpha:g}" + ("" if cfg.balanced else ", unequal sizes")
 
 

@@ -7,6 +7,7 @@ anything is compiled; and the valid settings that probably do not do what was me
 from __future__ import annotations
 
 import dataclasses
+import os
 
 from fedjax_rcl import registry
 from fedjax_rcl.config.schema import CoreConfig, SweepConfig, field_type
@@ -143,7 +144,7 @@ def validate(cfg: CoreConfig, *, check_data: bool = True) -> None:
       check_data: also check that the dataset exists / can be obtained (cheap, no decoding).
     """
     # Imported here: these lists live with their modules, and importing them pulls in JAX.
-    from fedjax_rcl.data.partitioning import METHODS
+    from fedjax_rcl.data.partitioning import PARTITIONS
     from fedjax_rcl.engine.tables import CLIENT_TABLES
     from fedjax_rcl.server import AGGREGATIONS
 
@@ -166,7 +167,16 @@ def validate(cfg: CoreConfig, *, check_data: bool = True) -> None:
     require(p, cfg.num_clients >= 1, "num_clients", cfg.num_clients, "must be >= 1")
     require(p, finite(cfg.participation) and 0 < cfg.participation <= 1, "participation",
            cfg.participation, "must be in (0, 1]")
-    one_of(p, "partition", cfg.partition, METHODS)
+    one_of(p, "partition", cfg.partition, PARTITIONS)
+    if cfg.partition == "file":
+        if cfg.split_file is None:
+            p.append("split_file=None: partition=file needs the path of a client split file")
+        elif not os.path.isfile(cfg.split_file):
+            p.append(f"split_file={cfg.split_file!r}: no such file (partition=file reads the "
+                     "clients' training indices from it)")
+    elif cfg.split_file is not None:
+        p.append(f"split_file={cfg.split_file!r}: applies only to partition=file "
+                 f"(partition={cfg.partition!r} draws its split from the seed); leave it null")
     if cfg.partition == "dirichlet":
         require(p, finite(cfg.alpha) and cfg.alpha > 0, "alpha", cfg.alpha,
                "must be a finite number > 0 (Dirichlet concentration)")

@@ -30,7 +30,18 @@ DIGEST_NEUTRAL_DEFAULTS = {"mfcl.bn_statistics": "running", "init_threefry_parti
                            "mfcl.probe_l2_grid": [1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 1e-1, 1.0, 10.0],
                            "mfcl.probe_holdout": 0.1, "mfcl.probe_max_iter": 1000,
                            "mfcl.probe_tol": 1e-5, "mfcl.probe_controls": True,
-                           "mfcl.tn_variance": "pooled", "mfcl.probe_projection": False}
+                           "mfcl.tn_variance": "pooled", "mfcl.probe_projection": False,
+                           "split_file": None}
+
+
+def _file_sha256(path: str) -> str | None:
+    """The content hash of a file that decides results (a split file), None if unreadable: a
+    run resumed with the same path but other contents is refused."""
+    try:
+        with open(path, "rb") as f:
+            return hashlib.sha256(f.read()).hexdigest()
+    except OSError:
+        return None
 
 
 def flat_keys(d: dict, prefix: str = "") -> dict:
@@ -66,6 +77,8 @@ def _result_settings(cfg: CoreConfig) -> dict:
             flat.update(flat_keys(dataclasses.asdict(value), f"{f.name}."))
         elif f.name != "plugins":
             flat[f.name] = value
+    if cfg.partition == "file" and cfg.split_file is not None:
+        flat["split_file.sha256"] = _file_sha256(cfg.split_file)
     return {k: v for k, v in flat.items() if k not in RESUME_SAFE_KEYS
             and not (k in DIGEST_NEUTRAL_DEFAULTS and v == DIGEST_NEUTRAL_DEFAULTS[k])}
 

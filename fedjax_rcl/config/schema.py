@@ -138,6 +138,11 @@ class CoreConfig:
       balanced: Dirichlet split with equal client sizes (the FedRCL reference's), or MOON's
         per-class split (false).
       shards_per_client: ``partition=shards``: label-sorted shards per client.
+      split_file: ``partition=file``: the clients' training indices, in the FedRCL reference's
+        split-file format (the ``str()`` of a dict ``{client: [indices]}``), indexing the
+        training set in the order this dataset loads it; the seed then draws no split.
+        ``tools/authors_split.py`` maps the reference's files (indices into the binary
+        CIFAR-10 release) onto an image-folder copy such as the JPEG archive.
       rounds: rounds of the run.
       local_epochs: passes over its data a sampled client makes per round.
       batch_size: samples per local step.
@@ -198,6 +203,7 @@ class CoreConfig:
     alpha: float = 0.3
     balanced: bool = True
     shards_per_client: int = 2
+    split_file: str | None = None
     rounds: int = 100
     local_epochs: int = 5
     batch_size: int = 50

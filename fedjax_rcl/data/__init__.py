@@ -6,6 +6,7 @@ imported from their modules.
 
 from fedjax_rcl.data.partitioning import (
     METHODS,
+    PARTITIONS,
     class_counts,
     heterogeneity_summary,
     load_reference_split,
@@ -16,6 +17,7 @@ from fedjax_rcl.data.sources import DataError, ImageDataset, check_dataset_spec,
 
 __all__ = [
     "METHODS",
+    "PARTITIONS",
     "DataError",
     "ImageDataset",
     "check_dataset_spec",

@@ -31,6 +31,7 @@ import numpy as np
 
 __all__ = [
     "METHODS",
+    "PARTITIONS",
     "MIN_CLIENT_SIZE_UNBALANCED",
     "class_counts",
     "heterogeneity_summary",
@@ -40,6 +41,9 @@ __all__ = [
 ]
 
 METHODS = ("iid", "dirichlet", "shards")
+# A run config's choices: a split drawn by one of ``METHODS``, or read from a file
+# (:func:`load_reference_split`).
+PARTITIONS = (*METHODS, "file")
 
 # NIID-Bench / MOON redraw the whole unbalanced Dirichlet split until every client holds at least
 # this many samples (`min_require_size` in their `partition_data`).
