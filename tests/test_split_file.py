@@ -3,6 +3,7 @@ reference's format), whatever its seed; bad settings are refused before anything
 naming the field; and the config digest follows the file's contents, so a run resumed with the
 same path but another split is refused."""
 
+import dataclasses
 import json
 
 import numpy as np
@@ -10,6 +11,7 @@ import pytest
 
 from fedjax_rcl.cli import main
 from fedjax_rcl.config import changed_keys, config_digest, load_config
+from fedjax_rcl.config.checks import validate
 from fedjax_rcl.data import class_counts, heterogeneity_summary, load_dataset
 from fedjax_rcl.experiment import make_partition
 from fedjax_rcl.validation import ConfigError
@@ -95,3 +97,13 @@ def test_a_run_trains_on_the_files_clients(tmp_path, capsys):
                  "--no-progress"]) == 0
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert rows[-1]["round"] == 1
+
+
+def test_the_split_files_existence_is_checked_with_the_data():
+    """Like the dataset, the file is looked for only when the data is (a run, not tabulating a
+    committed run's config on a machine without its files)."""
+    cfg = dataclasses.replace(load_config(None, []), partition="file",
+                              split_file="/nonexistent/split.txt")
+    validate(cfg, check_data=False)
+    with pytest.raises(ConfigError, match="no such file"):
+        validate(cfg)

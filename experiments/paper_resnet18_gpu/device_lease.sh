@@ -13,7 +13,12 @@
 #   CALL_S=190 bash experiments/paper_resnet18_gpu/device_lease.sh
 #
 # ONLY and EXTRA are passed on (default: the released-loss FedRCL, 500 rounds in bf16,
-# evaluated every round as the config says). $OUT gets fill.tar.gz (the speed script's files)
+# evaluated every round as the config says, on the authors' own split when it is carried as
+# .devdata/authors_dirichlet0.3_clients100.txt -- made here, once, with
+#   python tools/authors_split.py map --labels LABELS --archive "$CIFAR10_JPEG_ZIP" \
+#     --split FedRCL/client_data/CIFAR10/balanced/dirichlet0.3_clients100.txt \
+#     --out .devdata/authors_dirichlet0.3_clients100.txt
+# (docs/reproducing.md, "The split"); SPLIT_FILE= (empty) trains on the seed's draw instead). $OUT gets fill.tar.gz (the speed script's files)
 # and the run's device.log, <run>.log, <run>.jsonl and records.tar.gz: within the tool's 8 files
 # for up to two runs.
 set -u
@@ -36,6 +41,11 @@ if [ ! -f /tmp/fill/env.json ] && [ "${FILL_S:-270}" != 0 ]; then
 fi
 SPR=$(( ${CALL_S:-590} - ($(date +%s) - T0) - 50 ))
 echo "paper run: SECONDS_PER_RUN=$SPR"
-OUT=$FINAL ONLY=${ONLY:-fedrcl} SECONDS_PER_RUN=$SPR EXTRA="${EXTRA:-precision=bf16 rounds=500}" \
+SPLIT_FILE=${SPLIT_FILE-.devdata/authors_dirichlet0.3_clients100.txt}
+DEFAULT_EXTRA="precision=bf16 rounds=500"
+if [ -n "$SPLIT_FILE" ] && [ -f "$SPLIT_FILE" ]; then
+  DEFAULT_EXTRA="$DEFAULT_EXTRA partition=file split_file=$SPLIT_FILE"
+fi
+OUT=$FINAL ONLY=${ONLY:-fedrcl} SECONDS_PER_RUN=$SPR EXTRA="${EXTRA:-$DEFAULT_EXTRA}" \
   bash experiments/paper_resnet18_gpu/device_paper_resnet18.sh
 echo "call done after $(( $(date +%s) - T0 )) s"

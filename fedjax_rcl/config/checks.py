@@ -168,13 +168,9 @@ def validate(cfg: CoreConfig, *, check_data: bool = True) -> None:
     require(p, finite(cfg.participation) and 0 < cfg.participation <= 1, "participation",
            cfg.participation, "must be in (0, 1]")
     one_of(p, "partition", cfg.partition, PARTITIONS)
-    if cfg.partition == "file":
-        if cfg.split_file is None:
-            p.append("split_file=None: partition=file needs the path of a client split file")
-        elif not os.path.isfile(cfg.split_file):
-            p.append(f"split_file={cfg.split_file!r}: no such file (partition=file reads the "
-                     "clients' training indices from it)")
-    elif cfg.split_file is not None:
+    if cfg.partition == "file" and cfg.split_file is None:
+        p.append("split_file=None: partition=file needs the path of a client split file")
+    elif cfg.partition != "file" and cfg.split_file is not None:
         p.append(f"split_file={cfg.split_file!r}: applies only to partition=file "
                  f"(partition={cfg.partition!r} draws its split from the seed); leave it null")
     if cfg.partition == "dirichlet":
@@ -267,5 +263,8 @@ def validate(cfg: CoreConfig, *, check_data: bool = True) -> None:
         except DataError as e:
             prefix = f"dataset={cfg.dataset!r}: "
             p.append(str(e) if str(e).startswith(prefix) else prefix + str(e))
+        if cfg.partition == "file" and cfg.split_file and not os.path.isfile(cfg.split_file):
+            p.append(f"split_file={cfg.split_file!r}: no such file (partition=file reads the "
+                     "clients' training indices from it)")
     if p:
         raise ConfigError(p)
