@@ -259,8 +259,13 @@ def new_run(cfg: CoreConfig, prepare: Callable[[], Any], *, command: str | None,
         if primary:
             with interrupts.critical():
                 rundir.atomic_write_text(run_dir / "config.yaml", to_yaml(cfg))
-            provenance.record(run_dir, command, 0, cfg.plugins)
+            provenance.record(run_dir, command, 0, cfg.plugins, input_files(cfg))
         yield run_dir, prepared
+
+
+def input_files(cfg: CoreConfig) -> tuple[str, ...]:
+    """The files besides the dataset that a run's config reads: its split file."""
+    return (cfg.split_file,) if cfg.partition == "file" and cfg.split_file else ()
 
 
 @contextlib.contextmanager
@@ -282,7 +287,7 @@ def resumed_records(run_dir: Path, cfg: CoreConfig, lines: list[str], *, command
     with interrupts.critical():
         rundir.atomic_write_text(run_dir / "metrics.jsonl", "".join(f"{x}\n" for x in lines))
         rundir.atomic_write_text(run_dir / "config.yaml", to_yaml(cfg))
-    provenance.record(run_dir, command, first, cfg.plugins)
+    provenance.record(run_dir, command, first, cfg.plugins, input_files(cfg))
 
 
 def load_run_config(run_dir: Path, overrides=()) -> tuple[CoreConfig, CoreConfig]:

@@ -19,6 +19,7 @@ Both files are appended, never rewritten, so a resumed run keeps the record of e
 from __future__ import annotations
 
 import datetime
+import hashlib
 import importlib.metadata
 import json
 import os
@@ -89,25 +90,40 @@ def devices() -> dict:
             "device_kinds": kinds}
 
 
-def environment(command: str | None, first_round: int, plugins=()) -> dict:
+def file_sha256(path: str | os.PathLike[str]) -> str | None:
+    """The SHA-256 of a file's contents, None if it cannot be read."""
+    try:
+        with open(path, "rb") as f:
+            return hashlib.sha256(f.read()).hexdigest()
+    except OSError:
+        return None
+
+
+def environment(command: str | None, first_round: int, plugins=(), inputs=()) -> dict:
     """One ``environment.jsonl`` record for a process starting at ``first_round``: also the
-    working directory and where the run's ``plugins`` were imported from."""
+    working directory, where the run's ``plugins`` were imported from, and the SHA-256 of each
+    input file the config names beside the dataset (``inputs``: a split file), so that a
+    committed run says which file it trained on where its path alone cannot."""
     from fedjax_rcl import registry
 
     now = datetime.datetime.now(datetime.UTC).replace(microsecond=0)
-    return {"command": command, "started_utc": now.isoformat(), "first_round": first_round,
-            "cwd": os.getcwd(), "plugin_dirs": registry.plugin_dirs(plugins), "cpu": cpu(),
-            **devices(), "versions": versions(), "git_commit": git_commit()}
+    out = {"command": command, "started_utc": now.isoformat(), "first_round": first_round,
+           "cwd": os.getcwd(), "plugin_dirs": registry.plugin_dirs(plugins), "cpu": cpu(),
+           **devices(), "versions": versions(), "git_commit": git_commit()}
+    if inputs:
+        out["input_sha256"] = {str(p): file_sha256(p) for p in inputs}
+    return out
 
 
-def record(run_dir: str | Path, command: str | None, first_round: int, plugins=()) -> None:
+def record(run_dir: str | Path, command: str | None, first_round: int, plugins=(),
+           inputs=()) -> None:
     """Appends this process's command and environment to the run directory's records."""
     run_dir = Path(run_dir)
     if command:
         with open(run_dir / COMMANDS_FILE, "a") as f:
             f.write(command + "\n")
     with open(run_dir / ENVIRONMENT_FILE, "a") as f:
-        f.write(json.dumps(environment(command, first_round, plugins)) + "\n")
+        f.write(json.dumps(environment(command, first_round, plugins, inputs)) + "\n")
 
 
 def recorded_plugin_dirs(run_dir: str | Path) -> tuple[str, ...]:

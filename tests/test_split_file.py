@@ -4,6 +4,7 @@ naming the field; and the config digest follows the file's contents, so a run re
 same path but another split is refused."""
 
 import dataclasses
+import hashlib
 import json
 
 import numpy as np
@@ -97,6 +98,9 @@ def test_a_run_trains_on_the_files_clients(tmp_path, capsys):
                  "--no-progress"]) == 0
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert rows[-1]["round"] == 1
+    # The run's records say which file it trained on, not only its path.
+    env = json.loads((run_dir / "environment.jsonl").read_text().splitlines()[0])
+    assert env["input_sha256"] == {str(path): hashlib.sha256(path.read_bytes()).hexdigest()}
 
 
 def test_the_split_files_existence_is_checked_with_the_data():

@@ -11,6 +11,7 @@ import json
 
 from fedjax_rcl import registry
 from fedjax_rcl.config.schema import CoreConfig, TrackingConfig
+from fedjax_rcl.provenance import file_sha256
 
 # Keys that a resumed run may change without changing any result.
 RESUME_SAFE_KEYS = ("rounds", "checkpoint_every", "keep_checkpoints", "eval_batch_size",
@@ -32,16 +33,6 @@ DIGEST_NEUTRAL_DEFAULTS = {"mfcl.bn_statistics": "running", "init_threefry_parti
                            "mfcl.probe_tol": 1e-5, "mfcl.probe_controls": True,
                            "mfcl.tn_variance": "pooled", "mfcl.probe_projection": False,
                            "split_file": None}
-
-
-def _file_sha256(path: str) -> str | None:
-    """The content hash of a file that decides results (a split file), None if unreadable: a
-    run resumed with the same path but other contents is refused."""
-    try:
-        with open(path, "rb") as f:
-            return hashlib.sha256(f.read()).hexdigest()
-    except OSError:
-        return None
 
 
 def flat_keys(d: dict, prefix: str = "") -> dict:
@@ -78,7 +69,9 @@ def _result_settings(cfg: CoreConfig) -> dict:
         elif f.name != "plugins":
             flat[f.name] = value
     if cfg.partition == "file" and cfg.split_file is not None:
-        flat["split_file.sha256"] = _file_sha256(cfg.split_file)
+        # The file's contents decide the split: a run resumed with the same path but another
+        # split is refused (None where it cannot be read).
+        flat["split_file.sha256"] = file_sha256(cfg.split_file)
     return {k: v for k, v in flat.items() if k not in RESUME_SAFE_KEYS
             and not (k in DIGEST_NEUTRAL_DEFAULTS and v == DIGEST_NEUTRAL_DEFAULTS[k])}
 
