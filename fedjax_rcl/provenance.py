@@ -11,7 +11,7 @@ in a run directory (``train``, each ``resume``, ``mfcl``) appends
   and ``eval`` look there too), the processor (model name, family/model numbers, the vector
   extensions that change numerics or speed), the JAX backend and its devices, and the
   versions of Python and of the packages that compute results (with the project's git commit
-  when it runs from a checkout).
+  when it runs from a checkout), and the SHA-256 of a split file the run trains on.
 
 Both files are appended, never rewritten, so a resumed run keeps the record of every process.
 """
