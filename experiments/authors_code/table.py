@@ -78,37 +78,42 @@ def mean_sd(xs: list[float]) -> tuple[float, float | None]:
     return m, math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1))
 
 
-def main() -> None:
+def paired_rows(a_dir, b_dir, sides=("theirs", "ours"), same="same within 2 sd",
+                rounds=ROUNDS):
+    """Table rows and their data for side ``a_dir(algo, seed)`` against ``b_dir(algo, seed)``:
+    per algorithm and round, each side's mean ± sd over the seeds both reached and the paired
+    difference a - b, with the verdict on the last-10 difference."""
     rows, out = [], {}
+    fmt = (lambda ms: f"{ms[0]:.3f}" if ms[1] is None else f"{ms[0]:.3f} ± {ms[1]:.3f}")
     for algo, name in ALGOS.items():
-        for r in ROUNDS:
+        for r in rounds:
             per_seed = {}
             for s in SEEDS:
-                a = figures(accuracies(theirs_dir(algo, s)), r)
-                b = figures(accuracies(ours_dir(algo, s)), r)
+                a = figures(accuracies(a_dir(algo, s)), r)
+                b = figures(accuracies(b_dir(algo, s)), r)
                 if a and b:
-                    per_seed[s] = {"theirs": a, "ours": b,
+                    per_seed[s] = {sides[0]: a, sides[1]: b,
                                    "diff": {k: a[k] - b[k] for k in a}}
             if not per_seed:
                 continue
             out.setdefault(algo, {})[r] = per_seed
-            cells = []
-            for k in ("raw", "ema", "last10"):
-                t = mean_sd([v["theirs"][k] for v in per_seed.values()])
-                o = mean_sd([v["ours"][k] for v in per_seed.values()])
-                d = mean_sd([v["diff"][k] for v in per_seed.values()])
-                cells.append((t, o, d))
-            fmt = (lambda ms: f"{ms[0]:.3f}" if ms[1] is None else f"{ms[0]:.3f} ± {ms[1]:.3f}")
+            cells = [tuple(mean_sd([v[side][k] for v in per_seed.values()])
+                           for side in (*sides, "diff")) for k in ("raw", "ema", "last10")]
             d_last = cells[2][2]
             if d_last[1] is None:
                 verdict = "n = 1: no verdict"
             elif abs(d_last[0]) <= 2 * d_last[1]:
-                verdict = "same within 2 sd"
+                verdict = same
             else:
                 verdict = "**differs** (> 2 sd)"
             seeds = ",".join(str(s) for s in per_seed)
             rows.append(f"| {name} | {r} | {seeds} | " + " | ".join(
                 f"{fmt(t)} | {fmt(o)} | {fmt(d)}" for t, o, d in cells) + f" | {verdict} |")
+    return rows, out
+
+
+def main() -> None:
+    rows, out = paired_rows(theirs_dir, ours_dir)
     header = (
         "| method | round | seeds | raw theirs | raw ours | raw diff | EMA theirs | EMA ours | "
         "EMA diff | last-10 theirs | last-10 ours | last-10 diff | last-10 diff vs noise |\n"

@@ -22,7 +22,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT / "experiments" / "authors_code"))
-from table import ALGOS, SEEDS, accuracies, figures, mean_sd, ours_dir  # noqa: E402
+from table import SEEDS, ours_dir, paired_rows  # noqa: E402
 
 ROUNDS = (10, 25, 50, 75, 100)
 SPLIT = ROOT / "runs/authors_split/dirichlet0.3_clients100.txt"
@@ -55,31 +55,8 @@ def heterogeneity() -> dict:
 
 
 def main() -> None:
-    rows, out = [], {}
-    fmt = (lambda ms: f"{ms[0]:.3f}" if ms[1] is None else f"{ms[0]:.3f} ± {ms[1]:.3f}")
-    for algo, name in ALGOS.items():
-        for r in ROUNDS:
-            per_seed = {}
-            for s in SEEDS:
-                a = figures(accuracies(authors_split_dir(algo, s)), r)
-                b = figures(accuracies(ours_dir(algo, s)), r)
-                if a and b:
-                    per_seed[s] = {"authors_split": a, "our_split": b,
-                                   "diff": {k: a[k] - b[k] for k in a}}
-            if not per_seed:
-                continue
-            out.setdefault(algo, {})[r] = per_seed
-            cells = []
-            for k in ("raw", "ema", "last10"):
-                cells.append(tuple(mean_sd([v[side][k] for v in per_seed.values()])
-                                   for side in ("authors_split", "our_split", "diff")))
-            d = cells[2][2]
-            verdict = ("n = 1: no verdict" if d[1] is None else
-                       "no difference shown (within 2 sd)" if abs(d[0]) <= 2 * d[1] else
-                       "**differs** (> 2 sd)")
-            seeds = ",".join(str(s) for s in per_seed)
-            rows.append(f"| {name} | {r} | {seeds} | " + " | ".join(
-                f"{fmt(t)} | {fmt(o)} | {fmt(x)}" for t, o, x in cells) + f" | {verdict} |")
+    rows, out = paired_rows(authors_split_dir, ours_dir, sides=("authors_split", "our_split"),
+                            same="no difference shown (within 2 sd)", rounds=ROUNDS)
     het = heterogeneity()
     out["heterogeneity"] = het
     keys = ["classes_present_mean", "effective_classes_mean", "dominant_fraction_mean",
