@@ -32,6 +32,11 @@ def authors_split_dir(algo: str, seed: int) -> Path:
     return ROOT / "experiments/runs/authors_split_cpu" / f"{algo}-a0.3-s{seed}"
 
 
+def our_draw_again_dir(algo: str, seed: int) -> Path:
+    """Our draw rerun with this study's code and machine (``OURS_AGAIN=1``; seed 0 so far)."""
+    return ROOT / "experiments/runs/authors_split_cpu" / f"{algo}-a0.3-s{seed}-our-draw"
+
+
 def heterogeneity() -> dict:
     """The authors' split and our seeds' draws, summarised alike."""
     from fedjax_rcl.data import (
@@ -57,15 +62,32 @@ def heterogeneity() -> dict:
 def main() -> None:
     rows, out = paired_rows(authors_split_dir, ours_dir, sides=("authors_split", "our_split"),
                             same="no difference shown (within 2 sd)", rounds=ROUNDS)
+    # The runs on our draw were made earlier, with other package code on another EPYC class:
+    # our draw rerun now separates the split from the float path where it exists.
+    same_code, out["authors_split_vs_our_draw_again"] = paired_rows(
+        authors_split_dir, our_draw_again_dir, sides=("authors_split", "our_split_again"),
+        same="no difference shown (within 2 sd)", rounds=ROUNDS)
+    float_path, out["our_draw_again_vs_then"] = paired_rows(
+        our_draw_again_dir, ours_dir, sides=("our_split_again", "our_split"),
+        same="no difference shown (within 2 sd)", rounds=ROUNDS)
     het = heterogeneity()
     out["heterogeneity"] = het
     keys = ["classes_present_mean", "effective_classes_mean", "dominant_fraction_mean",
             "tv_to_global_mean"]  # the rest (sizes, counts) are equal by construction
+    header = (
+        "| method | round | seeds | raw, first | raw, second | raw diff | EMA, first | "
+        "EMA, second | EMA diff | last-10, first | last-10, second | last-10 diff | "
+        "last-10 diff vs noise |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|\n")
     text = (
         "| method | round | seeds | raw, authors' split | raw, ours | raw diff | EMA, authors' "
         "split | EMA, ours | EMA diff | last-10, authors' split | last-10, ours | last-10 diff | "
         "last-10 diff vs noise |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|\n"
-        + "\n".join(rows) + "\n\nThe splits (Dirichlet 0.3, 100 clients of 500):\n\n"
+        + "\n".join(rows)
+        + "\n\nThe same, against our draw rerun with this study's code and machine (the "
+        "split alone differs):\n\n" + header + "\n".join(same_code)
+        + "\n\nOur draw rerun now against our draw then (the float path alone: package code "
+        "and CPU class):\n\n" + header + "\n".join(float_path)
+        + "\n\nThe splits (Dirichlet 0.3, 100 clients of 500):\n\n"
         + "| split | " + " | ".join(keys) + " |\n|---|" + "---|" * len(keys) + "\n"
         + "\n".join(f"| {k} | " + " | ".join(f"{v[c]:.3f}" for c in keys) + " |"
                     for k, v in het.items()) + "\n")
