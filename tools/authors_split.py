@@ -113,15 +113,24 @@ def ranks(labels: np.ndarray) -> np.ndarray:
     return r
 
 
+def _images(z: zipfile.ZipFile) -> list[str]:
+    return [n for n in z.namelist() if n.lower().endswith((".jpg", ".jpeg", ".png"))]
+
+
+def _top_folder(names: list[str]) -> str:
+    """A folder common to every member (``cifar10/`` of ``cifar10/train/...``), which is not
+    part of the layout; ``""`` when there is none."""
+    tops = {n.split("/", 1)[0] for n in names}
+    top = next(iter(tops)) if len(tops) == 1 else "train"
+    return "" if top in ("train", "test") else top + "/"
+
+
 def archive_members(archive: str | Path, split: str = "train") -> list[str]:
     """The archive's image files of ``split`` in the order the package's image-folder loader
     reads them (sorted paths), without a common top folder."""
     with zipfile.ZipFile(archive) as z:
-        names = [n for n in z.namelist() if n.lower().endswith((".jpg", ".jpeg", ".png"))]
-    # A top folder common to every member (``cifar10/train/...``) is not part of the layout.
-    tops = {n.split("/", 1)[0] for n in names}
-    strip = len(next(iter(tops))) + 1 if len(tops) == 1 and next(iter(tops)) not in (
-        "train", "test") else 0
+        names = _images(z)
+    strip = len(_top_folder(names))
     return sorted(n[strip:] for n in names if n[strip:].startswith(f"{split}/"))
 
 
@@ -142,7 +151,6 @@ def release_to_archive(labels: np.ndarray, members: list[str], split: str = "tra
 
 
 def map_split(args) -> int:
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from fedjax_rcl.data import load_dataset, load_reference_split
 
     y = release_labels(args.labels)
@@ -177,10 +185,10 @@ def verify(args) -> int:
     batches = Path(args.batches)
     train_y = release_labels(args.labels or batches)
     out = {"batches": {}, "archive": str(args.archive)}
+    members = {split: archive_members(args.archive, split) for split in ("train", "test")}
+    train_index = release_to_archive(train_y, members["train"])
     with zipfile.ZipFile(args.archive) as z:
-        top = {n.split("/", 1)[0] for n in z.namelist()}
-        prefix = next(iter(top)) + "/" if len(top) == 1 and next(iter(top)) not in (
-            "train", "test") else ""
+        prefix = _top_folder(_images(z))
         for name in (*TRAIN_BATCHES, "test_batch"):
             if not (batches / name).exists():
                 continue
@@ -190,14 +198,14 @@ def verify(args) -> int:
             offset = 0 if split == "test" else 10000 * (int(name[-1]) - 1)
             if split == "train" and not np.array_equal(y, train_y[offset:offset + y.size]):
                 raise SystemExit(f"{name}: its labels differ from --labels")
-            members = archive_members(args.archive, split)
-            index = release_to_archive(labels, members, split)
+            index = (train_index if split == "train"
+                     else release_to_archive(labels, members[split], split))
             per_class = ranks(labels)
             matched, control, psnr = [], [], []
             for k in range(images.shape[0]):
                 i = offset + k
                 lossless = images[k].astype(np.int16)
-                jpeg = _decode(z, prefix + members[index[i]])
+                jpeg = _decode(z, prefix + members[split][index[i]])
                 d = np.abs(jpeg - lossless)
                 matched.append(float(d.mean()))
                 mse = float(np.mean(d.astype(np.float64) ** 2))
