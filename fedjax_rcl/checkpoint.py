@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
+from flax import struct
 
 _log = logging.getLogger(__name__)
 
@@ -128,6 +129,28 @@ class _quiet_logger:
         self._logger.setLevel(self._level)
 
 
+def _before_added_fields(abstract):
+    """``(older, back)``: a target like ``abstract`` without the ``ADDED_FIELDS`` that hold no
+    array (the state as checkpoints written before those fields existed hold it), in a struct
+    or a dict of them, and ``back(restored)`` giving ``abstract``'s structure again; None if
+    there is no such field."""
+    if isinstance(abstract, dict):
+        parts = {k: _before_added_fields(v) for k, v in abstract.items()}
+        if all(p is None for p in parts.values()):
+            return None
+        older = {k: abstract[k] if p is None else p[0] for k, p in parts.items()}
+        return older, lambda t: {k: t[k] if p is None else p[1](t[k]) for k, p in parts.items()}
+    added = [n for n in getattr(type(abstract), "ADDED_FIELDS", ())
+             if not jax.tree.leaves(getattr(abstract, n))]
+    if not added:
+        return None
+    kept = [f.name for f in dataclasses.fields(abstract) if f.name not in added]
+    older = struct.dataclass(type(f"{type(abstract).__name__}Before", (),
+                                  {"__annotations__": dict.fromkeys(kept, Any)}))
+    return (older(**{n: getattr(abstract, n) for n in kept}),
+            lambda t: abstract.replace(**{n: getattr(t, n) for n in kept}))
+
+
 def saved_steps(directory: str | Path) -> list[int]:
     """The steps of the whole checkpoints in ``directory`` (none if it is absent), read from
     the directory names without opening a ``CheckpointManager``: a save in progress or cut
@@ -188,12 +211,7 @@ class Checkpointer:
             try:
                 # Orbax's own error logs about a damaged file (absl) would repeat ours.
                 with _quiet_logger("absl"):
-                    out = self._manager.restore(
-                        step,
-                        args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract),
-                                                meta=ocp.args.JsonRestore()),
-                    )
-                state, meta = out["state"], dict(out["meta"])
+                    state, meta = self._restore(step, abstract)
                 if not _same_fingerprint(fingerprint(state), meta.get("fingerprint")):
                     raise ValueError("restored values do not match the saved fingerprint")
             except Exception as e:  # any failure to read a checkpoint means it is damaged
@@ -207,6 +225,25 @@ class Checkpointer:
                 continue
             return Restored(state=state, meta=meta, step=step, skipped=skipped)
         return None
+
+    def _restore(self, step: int, abstract):
+        """Checkpoint ``step`` restored into ``abstract``'s structure; one written before the
+        state had its ``ADDED_FIELDS`` (fields that hold no array while unused) restores with
+        them empty."""
+        def read(target):
+            out = self._manager.restore(
+                step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target),
+                                              meta=ocp.args.JsonRestore()))
+            return out["state"], dict(out["meta"])
+
+        try:
+            return read(abstract)
+        except ValueError:
+            older = _before_added_fields(abstract)
+            if older is None:
+                raise
+            state, meta = read(older[0])
+            return older[1](state), meta
 
     def uncommit(self, step: int) -> None:
         """For the kill tests only: waits for checkpoint ``step`` and renames it back to an

@@ -102,6 +102,9 @@ def parser() -> argparse.ArgumentParser:
     su.add_argument("--only", nargs="+", metavar="RUN", help="run: only these runs")
     su.add_argument("--out", help="table: where table.md and ema_accuracy.png go (default: "
                     "experiments/results/<suite name>)")
+    su.add_argument("--runs-dir", metavar="DIR",
+                    help="the runs' directory instead of the suite's runs_dir (for instance "
+                         "a cache outside the repository, which keeps their checkpoints)")
     s = sub.add_parser("partition", help="partition statistics and a clients x classes plot")
     _config_args(s, "num_clients=100 partition=dirichlet alpha=0.05 dataset=cifar10")
     s.add_argument("--plot", default="partition.png", help="where to save the plot (PNG)")
@@ -269,13 +272,16 @@ def _suite(args) -> int:
     from fedjax_rcl.validation import ConfigError
 
     spec = suite.load_suite(args.suite)
+    if args.runs_dir:
+        spec["runs_dir"] = args.runs_dir
     if args.action == "run":
         if args.chunk < 1:
             raise ConfigError([f"--chunk {args.chunk}: must be >= 1"])
         from fedjax_rcl import interrupts
 
         again = shlex.join(["fedjax-rcl", "suite", "run", args.suite, "--chunk",
-                            str(args.chunk), *(["--only", *args.only] if args.only else [])])
+                            str(args.chunk), *(["--only", *args.only] if args.only else []),
+                            *(["--runs-dir", args.runs_dir] if args.runs_dir else [])])
         interrupts.set_status(f"suite {args.suite}: each run keeps its last complete "
                               f"checkpoint (a stopped run's line above names it); continue "
                               f"with: {again}")

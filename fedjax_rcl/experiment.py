@@ -25,6 +25,7 @@ from fedjax_rcl import registry
 from fedjax_rcl.algorithms import ClientAlgorithm, make_algorithm, model_kwargs
 from fedjax_rcl.config import CoreConfig
 from fedjax_rcl.data import ImageDataset, load_dataset, load_reference_split, partition
+from fedjax_rcl.data.augment import TRANSFORMS
 from fedjax_rcl.data.device import ClientData, TestData, pack_clients, pack_test
 from fedjax_rcl.engine import layout
 from fedjax_rcl.engine.client import (
@@ -221,6 +222,13 @@ def build(cfg: CoreConfig, dataset: ImageDataset | None = None, *,
                                                                    dataset.image_shape)
     if too_small:
         raise ConfigError([too_small])
+    pipeline = TRANSFORMS[cfg.transforms]
+    if pipeline.mean is not None and len(pipeline.mean) != dataset.image_shape[-1]:
+        raise ConfigError([f"transforms={cfg.transforms!r}: its constants are for "
+                           f"{len(pipeline.mean)}-channel images, {cfg.dataset} has "
+                           f"{dataset.image_shape[-1]}"])
+    mean = dataset.mean if pipeline.mean is None else pipeline.mean
+    std = dataset.std if pipeline.std is None else pipeline.std
     if cfg.num_clients > len(dataset.train_labels):
         raise ConfigError([f"num_clients={cfg.num_clients}: must be <= the "
                            f"{len(dataset.train_labels)} training samples of {cfg.dataset}"])
@@ -278,14 +286,19 @@ def build(cfg: CoreConfig, dataset: ImageDataset | None = None, *,
             steps_per_epoch=math.ceil(padded / cfg.batch_size),
             uniform_sizes=bool(sizes.min() == sizes.max() == padded),
             lr_fn=lambda r, e: cfg.lr * jnp.power(cfg.lr_decay, (r + e).astype(jnp.float32)),
-            mean=dataset.mean,
-            std=dataset.std,
+            mean=mean,
+            std=std,
             hflip=dataset.hflip,
+            max_degrees=pipeline.max_degrees,
+            crop_padding=pipeline.crop_padding,
+            pad_mode=pipeline.pad_mode,
             augment=cfg.augment,
             num_classes=dataset.num_classes,
             num_views=num_views,
             client_eval=cfg.client_eval,
             precision=cfg.precision,
+            num_clients=cfg.num_clients,
+            sampled_fraction=per_round / cfg.num_clients,
         )
         if algorithm.optimizer is not None:  # the algorithm prescribes its own (MFCL: Adam)
             opt = algorithm.optimizer(cfg.lr, clip_norm=cfg.clip_norm,
@@ -299,6 +312,7 @@ def build(cfg: CoreConfig, dataset: ImageDataset | None = None, *,
                                          penalty_name=sopt.penalty_name)
         round_rows = make_round(local_update, sopt, num_clients=cfg.num_clients,
                                 server_message=algorithm.server_message,
+                                update_server_state=algorithm.update_server_state,
                                 participation=cfg.participation,
                                 aggregation=cfg.aggregation, mesh=mesh,
                                 clients_in_parallel=in_parallel)
@@ -316,8 +330,7 @@ def build(cfg: CoreConfig, dataset: ImageDataset | None = None, *,
                       data=data, test=test, state=state, settings=settings,
                       local_update=program.local_update, round_rows=program.round_rows,
                       table=table, program_for=program_for,
-                      evaluate=jax.jit(make_evaluate(model, mean=dataset.mean,
-                                                     std=dataset.std)),
+                      evaluate=jax.jit(make_evaluate(model, mean=mean, std=std)),
                       server_start=sopt.start, mesh=mesh,
                       layout=describe_layout(per_round, devices, in_parallel,
                                              conv_impl if built else "the given module's"))

@@ -47,6 +47,27 @@ def test_composed_map_equals_rotate_then_crop_then_flip():
         np.testing.assert_array_equal(got, ref)
 
 
+def test_reflect_padding_equals_numpy_reflect_pad_then_crop_then_flip():
+    """MOON's transform (``transforms=moon``): reflect-pad 4, random crop, flip; no rotation."""
+    rng = np.random.default_rng(1)
+    img = rng.integers(0, 256, (10, 12, 3), dtype=np.uint8)
+    flips = set()
+    for i in range(30):
+        p = jax.device_get(augment_params(jax.random.PRNGKey(i), max_degrees=0.0,
+                                          crop_padding=4, hflip=True))
+        got = np.asarray(augment_image(jax.random.PRNGKey(i), jnp.asarray(img), max_degrees=0.0,
+                                       crop_padding=4, pad_mode="reflect"))
+        padded = np.pad(img, ((4, 4), (4, 4), (0, 0)), mode="reflect")
+        ref = padded[int(p["oy"]):int(p["oy"]) + 10, int(p["ox"]):int(p["ox"]) + 12]
+        if p["flip"]:
+            ref = ref[:, ::-1]
+        flips.add(bool(p["flip"]))
+        np.testing.assert_array_equal(got, ref)
+    assert flips == {True, False}
+    with pytest.raises(ValueError, match="pad_mode='wrap'"):
+        augment_image(jax.random.PRNGKey(0), jnp.asarray(img), pad_mode="wrap")
+
+
 def test_rotation_by_90_degrees_is_rot90():
     """Fixes the rotation centre and direction (positive = counter-clockwise, as PIL and
     torchvision) independently of the reference above."""

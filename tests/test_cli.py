@@ -33,6 +33,9 @@ BAD = [
     (["algorithm=fedfoo"], "algorithm"),
     (["partition=random"], "partition"),
     (["aggregation=median"], "aggregation"),
+    (["transforms=imagenet"], "transforms"),
+    (["transforms=moon"], "transforms"),  # MOON's constants are for 3 channels; digits has 1
+    (["feddyn.alpha=0", "algorithm=feddyn"], "feddyn.alpha"),
     (["conv_impl=fast"], "conv_impl"),
     (["server.optimizer=adam"], "server.optimizer"),
     (["server.lr=-1"], "server.lr"),

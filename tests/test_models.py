@@ -39,6 +39,27 @@ def test_cnn_matches_moon_structure():
     assert [f.shape for f in out.features] == [(2, 6), (2, 16), (2, 120), (2, 84)]
 
 
+def test_moon_cnn_classifies_the_projection_like_moons_model_fed_con():
+    """MOON's ``ModelFedCon(simple-cnn)``: features -> l1 (84) -> ReLU -> l2 (256) -> l3
+    (classes); the logits are the classifier applied to the projection, for every method."""
+    model, params, x = _init("moon_cnn")
+    shapes = {k: v["kernel"].shape for k, v in params.items() if "kernel" in v}
+    assert shapes["head"] == (256, 10)
+    assert {k: v["kernel"].shape for k, v in params["projection"].items()} == {
+        "proj1": (84, 84), "proj2": (84, 256)}
+    out = model.apply({"params": params}, x)
+    head = params["head"]
+    np.testing.assert_allclose(out.logits, out.projection @ head["kernel"] + head["bias"],
+                               rtol=1e-5, atol=1e-6)
+    z = np.maximum(out.embedding @ params["projection"]["proj1"]["kernel"]
+                   + params["projection"]["proj1"]["bias"], 0)
+    np.testing.assert_allclose(out.projection, z @ params["projection"]["proj2"]["kernel"]
+                               + params["projection"]["proj2"]["bias"], rtol=1e-5, atol=1e-5)
+    # The plain CNN with MOON's head keeps its classifier on the embedding.
+    plain = get_model("cnn", num_classes=10, conv_impl="patches", projection_dim=256)
+    assert plain.init(jax.random.PRNGKey(1), x)["params"]["head"]["kernel"].shape == (84, 10)
+
+
 def test_pfl_cnn_matches_pfl_researchs_structure():
     model, params, x = _init("pfl_cnn")
     # pfl-research's CIFAR-10 CNN, by hand: conv 3*32*9 + 32, conv 32*64*9 + 64,

@@ -270,3 +270,27 @@ def test_data_smaller_than_the_model_takes_is_one_line(tmp_path, monkeypatch, ca
     # A model that takes them trains on the same data.
     assert main(["train", "dataset=tiny8", "plugins=tiny_data", "model=pfl_cnn", *common,
                  f"run_dir={tmp_path / 'ok'}"]) == 0, capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_stateful_example_trains_like_the_built_in_scaffold_and_resumes(tmp_path, monkeypatch,
+                                                                        capsys,
+                                                                        fresh_registry):
+    """docs/plugins.md's stateful example, as written, is SCAFFOLD: its runs give the built-in
+    ``algorithm=scaffold``'s metrics, and it resumes in a fresh process."""
+    (tmp_path / "my_scaffold.py").write_text(_example("A stateful algorithm"))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    common = ["rounds=2", "momentum=0.9", "partition=dirichlet", "alpha=0.5", *ARGS]
+    mine, builtin = tmp_path / "mine", tmp_path / "builtin"
+    assert main(["train", "plugins=[my_scaffold]", "algorithm=my_scaffold",
+                 f"run_dir={mine}", *common]) == 0, capsys.readouterr().err
+    assert main(["train", "algorithm=scaffold", f"run_dir={builtin}", *common]) == 0
+    rows = lambda run: [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    for a, b in zip(rows(mine), rows(builtin), strict=True):
+        for k in ("train_loss", "ce", "test_accuracy", "test_loss"):
+            assert a[k] == pytest.approx(b[k], rel=1e-5, abs=1e-6), k
+    fresh_registry()
+    assert main(["resume", str(mine), "rounds=3", "--no-progress"]) == 0, \
+        capsys.readouterr().err
+    assert [r["round"] for r in rows(mine)] == [1, 2, 3]

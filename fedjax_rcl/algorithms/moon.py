@@ -48,7 +48,7 @@ def moon(model: ModelFns, *, mu: float = 1.0, temperature: float = 0.5) -> Clien
     return ClientAlgorithm(
         objective,
         init_client_state=lambda params, model_state: (params, model_state),
-        update_client_state=lambda state, params, model_state: (params, model_state),
+        update_client_state=lambda state, params, model_state, ctx: (params, model_state),
     )
 
 

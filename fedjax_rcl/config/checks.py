@@ -14,6 +14,9 @@ from fedjax_rcl.config.schema import CoreConfig, SweepConfig, field_type
 from fedjax_rcl.config.sweeps import SHAPE_SETTINGS, SWEEPABLE, is_grid, with_setting
 from fedjax_rcl.validation import CheckContext, ConfigError, finite, one_of, require
 
+# ``transforms=`` (the pipelines themselves: ``fedjax_rcl.data.augment.TRANSFORMS``).
+TRANSFORMS = ("fedrcl", "moon")
+
 
 def _validate_sections(cfg: CoreConfig, p: list[str]) -> None:
     """Each section's own ``check``, every section (a YAML may set several), each problem
@@ -192,6 +195,7 @@ def validate(cfg: CoreConfig, *, check_data: bool = True) -> None:
     require(p, finite(cfg.clip_norm) and cfg.clip_norm >= 0, "clip_norm", cfg.clip_norm,
            "must be >= 0 (0 disables clipping)")
     one_of(p, "aggregation", cfg.aggregation, AGGREGATIONS)
+    one_of(p, "transforms", cfg.transforms, TRANSFORMS)
     require(p, cfg.eval_every >= 1, "eval_every", cfg.eval_every, "must be >= 1")
     require(p, isinstance(cfg.analysis_every, int) and cfg.analysis_every >= 0
            and (cfg.analysis_every == 0 or cfg.eval_every < 1

@@ -154,6 +154,10 @@ class CoreConfig:
       clip_norm: global gradient-norm clipping of each local step; 0 disables it.
       aggregation: client weights of the server mean: by data size, or uniform.
       augment: random rotation, crop and flip during local training.
+      transforms: whose training transforms and constants: ``fedrcl`` (the FedRCL reference's
+        rotation, zero-padded crop and flip, the dataset's normalisation constants) or
+        ``moon`` (MOON's CIFAR-10 pipeline: reflect-padded crop and flip, no rotation, and its
+        normalisation constants for training and test alike; 3-channel images only).
       eval_every: rounds between evaluations (the rounds in between run as one compiled call).
       checkpoint_every: save at the first evaluation at least this many rounds after the last
         save, and at the end; 0: only at round 0 and at the end.
@@ -214,6 +218,7 @@ class CoreConfig:
     clip_norm: float = 10.0
     aggregation: str = "size"
     augment: bool = True
+    transforms: str = "fedrcl"
     eval_every: int = 1
     checkpoint_every: int = 10
     keep_checkpoints: int = 3

@@ -2,7 +2,9 @@
 
 Train: random rotation in ``[-max_degrees, max_degrees]`` (nearest neighbour, zero fill) ->
 random crop back to ``H x W`` from the image zero-padded by ``crop_padding`` -> horizontal flip
-with probability 1/2 -> normalize. Test: normalize only.
+with probability 1/2 -> normalize. Test: normalize only. ``pad_mode="reflect"`` pads the crop
+by reflection instead of zeros (MOON's CIFAR-10 transform: reflect-pad 4, random crop, flip; no
+rotation there).
 
 The three geometric steps are composed into one inverse coordinate map, so a batch costs a
 single gather: output pixel ``(y, x)`` reads the source pixel
@@ -21,9 +23,38 @@ applying rotation, then padded crop, then flip one after the other (tested again
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+
+
+class Transforms(NamedTuple):
+    """A training pipeline's geometry and, where it fixes them, its normalisation constants.
+
+    Attributes:
+      max_degrees: rotation range (0: none).
+      crop_padding: the random crop's padding.
+      pad_mode: ``"zero"`` or ``"reflect"``.
+      mean, std: per-channel constants in [0, 1] pixel units; None: the dataset's own.
+    """
+
+    max_degrees: float
+    crop_padding: int
+    pad_mode: str
+    mean: tuple[float, ...] | None = None
+    std: tuple[float, ...] | None = None
+
+
+# ``transforms=`` by name. ``fedrcl``: the FedRCL reference's (rotation 10 degrees, zero-padded
+# crop 4, flip) with the dataset's constants. ``moon``: MOON's CIFAR-10 pipeline in its authors'
+# code (reflect-pad 4, random crop 32, flip, normalised with mean (125.3, 123.0, 113.9) / 255
+# and std (63.0, 62.1, 66.7) / 255, the same for training and test).
+TRANSFORMS = {
+    "fedrcl": Transforms(10.0, 4, "zero"),
+    "moon": Transforms(0.0, 4, "reflect", tuple(x / 255.0 for x in (125.3, 123.0, 113.9)),
+                       tuple(x / 255.0 for x in (63.0, 62.1, 66.7))),
+}
 
 
 def normalize(images: jax.Array, mean: Sequence[float], std: Sequence[float]) -> jax.Array:
@@ -44,14 +75,26 @@ def augment_params(key: jax.Array, *, max_degrees: float, crop_padding: int,
     return {"angle": angle, "oy": oy, "ox": ox, "flip": flip}
 
 
+def _reflect(i: jax.Array, n: int) -> jax.Array:
+    """Index ``i`` in ``[-n+1, 2n-2]`` reflected into ``[0, n)`` without repeating the edge
+    (``numpy.pad(mode="reflect")``, PyTorch's ``F.pad(mode="reflect")``)."""
+    i = jnp.abs(i)
+    return jnp.where(i > n - 1, 2 * (n - 1) - i, i)
+
+
 def source_coordinates(params: dict[str, jax.Array], height: int, width: int,
-                       crop_padding: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+                       crop_padding: int, pad_mode: str = "zero"
+                       ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The composed inverse map: ``(rows, cols, valid)``, each ``[H, W]``."""
     y = jnp.arange(height)[:, None]
     x = jnp.arange(width)[None, :]
     xf = jnp.where(params["flip"], width - 1 - x, x)
     u = y + params["oy"] - crop_padding
     v = xf + params["ox"] - crop_padding
+    if pad_mode == "reflect":  # the padding holds the image's reflection: every pixel valid
+        u, v = _reflect(u, height), _reflect(v, width)
+    elif pad_mode != "zero":
+        raise ValueError(f"pad_mode={pad_mode!r}: must be 'zero' or 'reflect'")
     in_crop = (u >= 0) & (u < height) & (v >= 0) & (v < width)
     cy, cx = (height - 1) / 2.0, (width - 1) / 2.0
     cos, sin = jnp.cos(params["angle"]), jnp.sin(params["angle"])
@@ -65,18 +108,18 @@ def source_coordinates(params: dict[str, jax.Array], height: int, width: int,
 
 
 def augment_image(key: jax.Array, image: jax.Array, *, max_degrees: float = 10.0,
-                  crop_padding: int = 4, hflip: bool = True) -> jax.Array:
+                  crop_padding: int = 4, hflip: bool = True, pad_mode: str = "zero") -> jax.Array:
     """One ``uint8 [H, W, C]`` image -> augmented ``uint8 [H, W, C]`` (before normalization)."""
     h, w = image.shape[0], image.shape[1]
     p = augment_params(key, max_degrees=max_degrees, crop_padding=crop_padding, hflip=hflip)
-    rows, cols, valid = source_coordinates(p, h, w, crop_padding)
+    rows, cols, valid = source_coordinates(p, h, w, crop_padding, pad_mode)
     out = image[rows, cols]
     return jnp.where(valid[..., None], out, jnp.zeros_like(out))
 
 
 def augment_batch(key: jax.Array, images: jax.Array, *, mean: Sequence[float],
                   std: Sequence[float], max_degrees: float = 10.0, crop_padding: int = 4,
-                  hflip: bool = True) -> jax.Array:
+                  hflip: bool = True, pad_mode: str = "zero") -> jax.Array:
     """Augments and normalizes a batch; each sample gets its own key.
 
     Args:
@@ -86,6 +129,7 @@ def augment_batch(key: jax.Array, images: jax.Array, *, mean: Sequence[float],
       max_degrees: rotation range; 0 disables rotation.
       crop_padding: zero padding of the random crop; 0 disables cropping.
       hflip: whether to flip horizontally with probability 1/2.
+      pad_mode: ``"zero"`` or ``"reflect"``: what the crop's padding holds.
 
     Returns:
       ``float32 [B, H, W, C]``.
@@ -93,6 +137,6 @@ def augment_batch(key: jax.Array, images: jax.Array, *, mean: Sequence[float],
     keys = jax.random.split(key, images.shape[0])
     out = jax.vmap(
         lambda k, im: augment_image(k, im, max_degrees=max_degrees, crop_padding=crop_padding,
-                                    hflip=hflip)
+                                    hflip=hflip, pad_mode=pad_mode)
     )(keys, images)
     return normalize(out, mean, std)

@@ -48,6 +48,8 @@ class LocalContext(NamedTuple):
       label_counts: ``float32 [num_classes]``, this client's samples per class (FedLC).
       server_message: what the server sent every client this round besides the model
         (FedProc: the global class prototypes), ``()`` for algorithms that have none.
+      server_state: the algorithm's persistent server state at the start of the round
+        (SCAFFOLD: the server control variate ``c``), ``()`` for algorithms that have none.
     """
 
     global_params: Params
@@ -56,6 +58,51 @@ class LocalContext(NamedTuple):
     key: PRNGKey
     label_counts: jax.Array | None = None
     server_message: Any = ()
+    server_state: Any = ()
+
+
+class RoundContext(NamedTuple):
+    """What a client's end-of-round hooks (``update_client_state``, ``client_result``) read.
+
+    Attributes:
+      global_params: the model this client's local training started from.
+      global_model_state: its non-trained state.
+      server_state: the algorithm's server state the client trained with.
+      steps: ``float32 []``, the local steps this client took (``K``: its batches per epoch
+        times the epochs).
+      lr_sum: ``float32 []``, the sum of the learning rates of those steps (``K * lr`` at a
+        constant rate), so that ``(x - y) / lr_sum`` is the mean scaled step.
+      learning_rate: ``float32 []``, the rate of the round's first local step.
+      round: ``int32 []``, the round's index.
+      num_clients: ``N``, the population (a Python int).
+      sampled_fraction: ``|S| / N``, the fraction of it sampled each round (a Python float).
+    """
+
+    global_params: Params
+    global_model_state: ModelState
+    server_state: Any
+    steps: jax.Array
+    lr_sum: jax.Array
+    learning_rate: jax.Array
+    round: jax.Array
+    num_clients: int
+    sampled_fraction: float
+
+
+class ServerContext(NamedTuple):
+    """What the algorithm's server hook (``update_server_state``) reads.
+
+    Attributes:
+      global_params: the model the round's clients started from.
+      round: ``int32 []``, the round's index.
+      num_clients: ``N``, the population.
+      sampled: ``|S|``, the clients sampled this round.
+    """
+
+    global_params: Params
+    round: jax.Array
+    num_clients: int
+    sampled: int
 
 
 # ``objective(output, params, batch, context) -> (loss [], metrics {name: []})``.
@@ -70,9 +117,15 @@ def _no_state(params: Params, model_state: ModelState) -> ClientState:
     return ()
 
 
-def _keep_state(state: ClientState, params: Params, model_state: ModelState) -> ClientState:
-    del params, model_state
+def _keep_state(state: ClientState, params: Params, model_state: ModelState,
+                ctx: RoundContext) -> ClientState:
+    del params, model_state, ctx
     return state
+
+
+def _no_server_state(params: Params, model_state: ModelState) -> Any:
+    del params, model_state
+    return ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,8 +137,25 @@ class ClientAlgorithm:
       init_client_state: ``(params, model_state) -> state``, one client's state before it has
         ever trained, from the initial global model; the engine stacks it into a
         ``[num_clients, ...]`` table.
-      update_client_state: ``(old_state, trained_params, trained_model_state) -> new_state`` at
-        the end of the client's local training.
+      update_client_state: ``(old_state, trained_params, trained_model_state, ctx) ->
+        new_state`` at the end of the client's local training; ``ctx`` is the round's
+        ``RoundContext`` (the model it started from, the server state, the steps taken and
+        their learning rates, the population and the sampled fraction).
+      client_result: ``(old_state, new_state, trained_params, trained_model_state, ctx) ->
+        pytree`` a client sends the server besides its model, summed over the round's sampled
+        clients and passed to ``update_server_state`` (SCAFFOLD: ``c_i^+ - c_i``); None:
+        nothing.
+      init_server_state: ``(params, model_state) -> state``, the algorithm's persistent server
+        state before round 0 (SCAFFOLD: ``c = 0``), checkpointed with the run; every client
+        reads it as ``LocalContext.server_state``.
+      update_server_state: ``(state, summed_results, mean_params, ctx: ServerContext) ->
+        (state, mean_params)`` after the clients' models are averaged and before the server
+        optimizer: the next state, and the mean model the server optimizer takes (FedDyn
+        subtracts ``h / alpha``); None: the state is kept and the mean used as it is.
+      correct_update: ``(updates, params, ctx: LocalContext, learning_rate) -> updates``, a
+        change to each local step's update after the client optimizer (SCAFFOLD's
+        ``-lr (c - c_i)``, outside the momentum, as its authors' and NIID-Bench's code apply
+        it); None: the optimizer's update.
       report: ``(output, batch) -> pytree`` of sums a client sends the server, taken on each
         training step of its last local epoch and summed (FedProc: per-class feature sums and
         counts); None: the client sends only its model.
@@ -100,7 +170,12 @@ class ClientAlgorithm:
 
     objective: Objective
     init_client_state: Callable[[Params, ModelState], ClientState] = _no_state
-    update_client_state: Callable[[ClientState, Params, ModelState], ClientState] = _keep_state
+    update_client_state: Callable[[ClientState, Params, ModelState, RoundContext],
+                                  ClientState] = _keep_state
     report: Callable[[ModelOutput, Batch], Any] | None = None
     server_message: Callable[[Any], Any] | None = None
     optimizer: Callable[..., Any] | None = None
+    client_result: Callable[..., Any] | None = None
+    init_server_state: Callable[[Params, ModelState], Any] = _no_server_state
+    update_server_state: Callable[..., tuple[Any, Params]] | None = None
+    correct_update: Callable[..., Any] | None = None

@@ -99,7 +99,8 @@ def make_analysis(model, dataset, data, local_update, server_start, row, *, num_
         start = server_start(state.params, state.opt_state)
         params, model_state, _, _ = local_update(
             start, state.model_state, client_row, key, data.client_indices[client],
-            data.client_sizes[client], state.round, data, state.message)
+            data.client_sizes[client], state.round, data, state.message,
+            state.algorithm_state)
         return params, model_state, client
 
     @jax.jit

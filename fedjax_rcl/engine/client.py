@@ -26,7 +26,7 @@ import optax
 
 from fedjax_rcl.data.augment import augment_batch, normalize
 from fedjax_rcl.data.device import ClientData
-from fedjax_rcl.engine.algorithm import Batch, ClientAlgorithm, LocalContext
+from fedjax_rcl.engine.algorithm import Batch, ClientAlgorithm, LocalContext, RoundContext
 from fedjax_rcl.models.base import ModelFns, ModelState
 from fedjax_rcl.types import ClientState, Metrics, Params, PRNGKey
 
@@ -66,7 +66,8 @@ class LocalTraining:
       steps_per_epoch: ``ceil(max_k n_k / B)``, the scan's steps per epoch.
       uniform_sizes: every client has the same size, so no step is ever masked.
       lr_fn: ``(round, epoch) -> learning rate`` (traced integers in, scalar out).
-      mean, std: normalization constants; hflip, max_degrees, crop_padding: augmentation.
+      mean, std: normalization constants; hflip, max_degrees, crop_padding, pad_mode:
+        augmentation (``fedjax_rcl.data.augment``).
       augment: False to only normalize (no random geometry).
       num_classes: size of ``LocalContext.label_counts`` (0: not computed).
       num_views: augmented views of each sample in a batch (the algorithm's registered
@@ -77,6 +78,8 @@ class LocalTraining:
       precision: ``fp32``, ``bf16`` or ``fp16``: the type the model computes in (the model
         passed to ``make_local_update`` does the casting, ``models.with_precision``); with
         ``fp16`` the loss is scaled dynamically (``GradScaler``).
+      num_clients, sampled_fraction: the population and the fraction of it sampled each
+        round, which the algorithm's ``RoundContext`` passes on.
     """
 
     batch_size: int
@@ -89,11 +92,14 @@ class LocalTraining:
     hflip: bool = True
     max_degrees: float = 10.0
     crop_padding: int = 4
+    pad_mode: str = "zero"
     augment: bool = True
     num_classes: int = 0
     num_views: int = 1
     client_eval: bool = False
     precision: str = "fp32"
+    num_clients: int = 0
+    sampled_fraction: float = 0.0
 
     @property
     def num_steps(self) -> int:
@@ -204,11 +210,11 @@ def own_accuracy(model: ModelFns, settings: LocalTraining, params: Params,
 
 
 # ``local_update(global_params, global_model_state, client_state, key, indices, size,
-# round_index, data, message) -> (params, model_state, new_client_state, metrics)``: one
-# client's local training (``make_local_update``).
+# round_index, data, message, server_state) -> (params, model_state, new_client_state,
+# metrics)``: one client's local training (``make_local_update``).
 LocalUpdate = Callable[
-    [Params, ModelState, ClientState, PRNGKey, jax.Array, jax.Array, jax.Array, ClientData, Any],
-    tuple[Params, ModelState, ClientState, Metrics]]
+    [Params, ModelState, ClientState, PRNGKey, jax.Array, jax.Array, jax.Array, ClientData, Any,
+     Any], tuple[Params, ModelState, ClientState, Metrics]]
 
 
 def make_local_update(model: ModelFns, algorithm: ClientAlgorithm,
@@ -225,11 +231,13 @@ def make_local_update(model: ModelFns, algorithm: ClientAlgorithm,
 
     Returns:
       ``local_update(global_params, global_model_state, client_state, key, indices, size,
-      round_index, data, message=()) -> (params, model_state, new_client_state, metrics)``
-      where ``indices`` is the client's ``int32 [max_size]`` row, ``size`` its sample count,
-      ``message`` the server's broadcast besides the model, and ``metrics`` holds the mean over
-      the client's active steps of the loss and of each term the objective reports, and for an
-      algorithm with a ``report`` the report summed over its last epoch's steps (``"report"``).
+      round_index, data, message=(), server_state=()) -> (params, model_state,
+      new_client_state, metrics)`` where ``indices`` is the client's ``int32 [max_size]`` row,
+      ``size`` its sample count, ``message`` the server's broadcast besides the model,
+      ``server_state`` the algorithm's server state, and ``metrics`` holds the mean over the
+      client's active steps of the loss and of each term the objective reports, for an
+      algorithm with a ``report`` the report summed over its last epoch's steps (``"report"``),
+      and for one with a ``client_result`` that result (``"result"``).
     """
     s = settings
 
@@ -256,7 +264,7 @@ def make_local_update(model: ModelFns, algorithm: ClientAlgorithm,
     def local_update(global_params: Params, global_model_state: ModelState,
                      client_state: ClientState, key: PRNGKey, indices: jax.Array,
                      size: jax.Array, round_index: jax.Array, data: ClientData,
-                     message=()):
+                     message=(), server_state=()):
         perm_key, step_root = jax.random.split(key)
         max_size = indices.shape[0]
         perms = epoch_permutations(perm_key, size, max_size, s.local_epochs)
@@ -282,12 +290,12 @@ def make_local_update(model: ModelFns, algorithm: ClientAlgorithm,
                 augment_batch(jax.random.fold_in(k_aug, v), images, mean=s.mean, std=s.std,
                               max_degrees=s.max_degrees if s.augment else 0.0,
                               crop_padding=s.crop_padding if s.augment else 0,
-                              hflip=s.hflip and s.augment)
+                              hflip=s.hflip and s.augment, pad_mode=s.pad_mode)
                 for v in range(s.num_views)
             ]
             batch = Batch(jnp.concatenate(views) if len(views) > 1 else views[0], labels)
             ctx = LocalContext(global_params, global_model_state, client_state, k_loss, counts,
-                               message)
+                               message, server_state)
             if scaled:  # float16: scale, unscale before the optimizer clips, skip infs
                 (_, (loss, (terms, new_model_state, report))), grads = scaled_grad_fn(
                     params, model_state, batch, ctx, k_model, scaler.scale)
@@ -297,8 +305,11 @@ def make_local_update(model: ModelFns, algorithm: ClientAlgorithm,
             else:
                 (loss, (terms, new_model_state, report)), grads = grad_fn(
                     params, model_state, batch, ctx, k_model)
-            opt_state.hyperparams["learning_rate"] = s.lr_fn(round_index, epoch)
+            lr = s.lr_fn(round_index, epoch)
+            opt_state.hyperparams["learning_rate"] = lr
             updates, new_opt_state = optimizer.update(grads, opt_state, params)
+            if algorithm.correct_update is not None:
+                updates = algorithm.correct_update(updates, params, ctx, lr)
             new_params = optax.apply_updates(params, updates)
             if scaled:  # a skipped step keeps the weights and the optimizer state; BatchNorm's
                 # statistics were updated by its forward pass all the same, as in PyTorch
@@ -314,9 +325,9 @@ def make_local_update(model: ModelFns, algorithm: ClientAlgorithm,
             if not s.uniform_sizes:
                 new = jax.tree.map(lambda n, o: jnp.where(active, n, o), new,
                                    (params, model_state, opt_state, scaler))
-            return new, (loss, terms, active, report)
+            return new, (loss, terms, active, report, lr)
 
-        (params, model_state, _, _), (losses, terms, active, reports) = jax.lax.scan(
+        (params, model_state, _, _), (losses, terms, active, reports, lrs) = jax.lax.scan(
             step, (global_params, global_model_state, opt_state, GradScaler.fresh()),
             jnp.arange(s.num_steps)
         )
@@ -331,7 +342,15 @@ def make_local_update(model: ModelFns, algorithm: ClientAlgorithm,
                                                  indices, size, data)
             metrics["acc_after"] = own_accuracy(model, s, params, model_state, indices, size,
                                                 data)
-        new_state = algorithm.update_client_state(client_state, params, model_state)
+        rctx = RoundContext(global_params, global_model_state, server_state, count,
+                            masked_sum(jnp.asarray(lrs, jnp.float32), active),
+                            jnp.asarray(s.lr_fn(round_index, jnp.zeros((), jnp.int32)),
+                                        jnp.float32),
+                            round_index, s.num_clients, s.sampled_fraction)
+        new_state = algorithm.update_client_state(client_state, params, model_state, rctx)
+        if algorithm.client_result is not None:
+            metrics["result"] = algorithm.client_result(client_state, new_state, params,
+                                                        model_state, rctx)
         return params, model_state, new_state, metrics
 
     return local_update

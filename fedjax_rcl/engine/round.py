@@ -24,7 +24,7 @@ metrics in a buffer of static length ``capacity``.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -34,7 +34,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from fedjax_rcl.data.device import ClientData
-from fedjax_rcl.engine.algorithm import ClientAlgorithm
+from fedjax_rcl.engine.algorithm import ClientAlgorithm, ServerContext
 from fedjax_rcl.engine.client import LocalUpdate
 from fedjax_rcl.models.base import ModelState
 from fedjax_rcl.server.aggregate import client_weights, weighted_sum
@@ -62,6 +62,8 @@ class ServerState:
       key: ``uint32 [2]``, the run's root PRNG key.
       message: what the server broadcasts besides the model (``ClientAlgorithm.server_message``;
         ``()`` if nothing).
+      algorithm_state: the client algorithm's persistent server state
+        (``ClientAlgorithm.init_server_state``; SCAFFOLD's control variate), ``()`` if none.
     """
 
     params: Params
@@ -71,6 +73,11 @@ class ServerState:
     round: jax.Array
     key: PRNGKey
     message: Any = ()
+    algorithm_state: Any = ()
+
+    # Fields added after checkpoints existed: a checkpoint written before restores with them
+    # empty (``fedjax_rcl.checkpoint``), as every algorithm without server state leaves them.
+    ADDED_FIELDS: ClassVar[tuple[str, ...]] = ("algorithm_state",)
 
 
 # ``round_rows(state, data, rows) -> (state, metrics, new_rows)`` (``make_round``): one round
@@ -91,7 +98,8 @@ def init_server_state(params: Params, model_state: ModelState, algorithm: Client
     shaped as ``report_like`` (an algorithm with a ``report``)."""
     return ServerState(params=params, model_state=model_state, opt_state=server_opt.tx.init(params),
                        client_states=(), round=jnp.zeros((), jnp.int32), key=key,
-                       message=initial_message(algorithm, report_like))
+                       message=initial_message(algorithm, report_like),
+                       algorithm_state=algorithm.init_server_state(params, model_state))
 
 
 def initial_message(algorithm: ClientAlgorithm, report_like):
@@ -139,6 +147,7 @@ def cohort_layout(m: int, devices: int, clients_in_parallel: int | None) -> tupl
 
 def make_round(local_update: LocalUpdate, server_opt: ServerOptimizer, *, num_clients: int,
                server_message: Callable[[Any], Any] | None = None,
+               update_server_state: Callable[..., Any] | None = None,
                participation: float, aggregation: str, mesh: Mesh | None = None,
                clients_in_parallel: int | None = None) -> RoundRows:
     """Builds the round as a pure function of the sampled clients' state rows; a table
@@ -151,6 +160,8 @@ def make_round(local_update: LocalUpdate, server_opt: ServerOptimizer, *, num_cl
       num_clients, participation: the population and the sampled fraction.
       aggregation: ``size`` or ``uniform`` client weights.
       server_message: the algorithm's ``server_message`` (for one with a ``report``).
+      update_server_state: the algorithm's ``update_server_state`` (for one with server state):
+        it receives the clients' ``result`` summed over the round's sampled clients.
       mesh: a mesh with a ``clients`` axis to shard the sampled clients over (None: one device).
         The same code runs on one device, several, or several processes; only float
         reassociation in the client mean differs.
@@ -167,36 +178,44 @@ def make_round(local_update: LocalUpdate, server_opt: ServerOptimizer, *, num_cl
     devices = 1 if mesh is None else mesh.shape[CLIENTS]
     groups, per_group = cohort_layout(m, devices, clients_in_parallel)
     padded = groups * per_group
-    vmapped = jax.vmap(local_update, in_axes=(None, None, 0, 0, 0, 0, None, None, None))
+    vmapped = jax.vmap(local_update, in_axes=(None, None, 0, 0, 0, 0, None, None, None, None))
 
     def spread(x, spec):
         return x if mesh is None else jax.lax.with_sharding_constraint(
             x, NamedSharding(mesh, spec))
 
-    def train_group(params, model_state, round_index, data, message, group):
+    def train_group(params, model_state, round_index, data, message, algo_state, group):
         """``k`` clients side by side: ``group`` leaves ``[k, ...]`` -> outputs ``[k, ...]``."""
         rows, keys, idx, sizes = group
         if jax.tree.leaves(keys)[0].shape[0] == 1:
             # One client at a time: call it unbatched. A vmap of size 1 still turns every
             # convolution into a batched one, slower on XLA:CPU (BENCHMARKS.md).
             one = jax.tree.map(lambda x: x[0], (rows, keys, idx, sizes))
-            out = local_update(params, model_state, *one, round_index, data, message)
+            out = local_update(params, model_state, *one, round_index, data, message,
+                               algo_state)
             return jax.tree.map(lambda x: x[None], out)
-        return vmapped(params, model_state, rows, keys, idx, sizes, round_index, data, message)
+        return vmapped(params, model_state, rows, keys, idx, sizes, round_index, data, message,
+                       algo_state)
 
-    def train_local(params, model_state, round_index, data, message, xs, w):
+    def train_local(params, model_state, round_index, data, message, algo_state, xs, w):
         """This device's clients (all of them without a mesh), ``per_group // devices`` at a
         time: leaves ``[n, ...]``, weights ``w`` ``[n]`` (their share of the round's mean) ->
         ``(sums, rest)``: ``sums`` the weighted sums of the trained models and model states
-        (float32, added over groups as each finishes, then over devices), ``rest`` the new
-        state rows and the metrics, leaves ``[n, ...]``."""
+        (float32, added over groups as each finishes, then over devices) and of the clients'
+        ``result`` (unweighted, over the clients of weight > 0: the round's real ones; ``()``
+        without one), ``rest`` the new state rows and the metrics, leaves ``[n, ...]``."""
         n = jax.tree.leaves(xs)[0].shape[0]
         k = per_group // devices
 
         def run(group, wg):
             trained, trained_ms, new_rows, client_metrics = train_group(
-                params, model_state, round_index, data, message, group)
-            return weighted_sum((trained, trained_ms), wg), (new_rows, client_metrics)
+                params, model_state, round_index, data, message, algo_state, group)
+            results = client_metrics.pop("result", ())
+            real = (wg > 0).astype(jnp.float32)
+            result_sums = jax.tree.map(
+                lambda r: jnp.tensordot(real.astype(r.dtype), r, axes=(0, 0)), results)
+            return ((*weighted_sum((trained, trained_ms), wg), result_sums),
+                    (new_rows, client_metrics))
 
         if n == k:
             sums, rest = run(xs, w)
@@ -204,10 +223,10 @@ def make_round(local_update: LocalUpdate, server_opt: ServerOptimizer, *, num_cl
             split = lambda x: x.reshape(n // k, k, *x.shape[1:])
             groups_xs, groups_w = jax.tree.map(split, xs), split(w)
             # The sums have the shapes of the model and its state (the round subtracts the
-            # mean from the global model), in weighted_sum's float32.
-            zeros = jax.tree.map(
-                lambda x: jnp.zeros(x.shape, jnp.promote_types(x.dtype, jnp.float32)),
-                (params, model_state))
+            # mean from the global model), in weighted_sum's float32, and of the results.
+            first = jax.tree.map(lambda x: x[0], (groups_xs, groups_w))
+            zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype),
+                                 jax.eval_shape(run, *first)[0])
 
             def body(acc, group):
                 sums, rest = run(*group)
@@ -225,7 +244,8 @@ def make_round(local_update: LocalUpdate, server_opt: ServerOptimizer, *, num_cl
     # check_vma=False: every value inside is per device, and the global model is each client's
     # private starting point; the gradients taken inside are local, never summed over devices.
     train = train_local if mesh is None else jax.shard_map(
-        train_local, mesh=mesh, in_specs=(P(), P(), P(), P(), P(), P(CLIENTS), P(CLIENTS)),
+        train_local, mesh=mesh,
+        in_specs=(P(), P(), P(), P(), P(), P(), P(CLIENTS), P(CLIENTS)),
         out_specs=(P(), P(CLIENTS)), check_vma=False)
 
     def train_clients(state, data, clients, rows, w):
@@ -234,7 +254,8 @@ def make_round(local_update: LocalUpdate, server_opt: ServerOptimizer, *, num_cl
         xs = (rows, client_keys(state.key, state.round, clients),
               data.client_indices[clients], data.client_sizes[clients])
         start = server_opt.start(state.params, state.opt_state)
-        return train(start, state.model_state, state.round, data, state.message, xs, w)
+        return train(start, state.model_state, state.round, data, state.message,
+                     state.algorithm_state, xs, w)
 
     def round_rows(state: ServerState, data: ClientData,
                    rows: ClientState) -> tuple[ServerState, Metrics, ClientState]:
@@ -245,10 +266,16 @@ def make_round(local_update: LocalUpdate, server_opt: ServerOptimizer, *, num_cl
             lambda r: jnp.concatenate([r, jnp.broadcast_to(r[:1], (padded - m, *r.shape[1:]))])
             if padded > m else r, rows)
         weights = jnp.where(valid, client_weights(data.client_sizes[clients], aggregation), 0.0)
-        (sum_params, sum_ms), (new_rows, client_metrics) = train_clients(
+        (sum_params, sum_ms, sum_results), (new_rows, client_metrics) = train_clients(
             state, data, clients, rows, weights / jnp.sum(weights))
         like = lambda sums, tree: jax.tree.map(lambda s, x: s.astype(x.dtype), sums, tree)
         mean_params = like(sum_params, state.params)
+        algorithm_state = state.algorithm_state
+        if update_server_state is not None:
+            start = server_opt.start(state.params, state.opt_state)
+            algorithm_state, mean_params = update_server_state(
+                algorithm_state, sum_results, mean_params,
+                ServerContext(start, state.round, num_clients, m))
         pseudo_grad = jax.tree.map(jnp.subtract, state.params, mean_params)
         updates, opt_state = server_opt.tx.update(pseudo_grad, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
@@ -266,7 +293,8 @@ def make_round(local_update: LocalUpdate, server_opt: ServerOptimizer, *, num_cl
         if mesh is not None:  # every process reads the metrics
             metrics = jax.tree.map(lambda x: spread(x, P()), metrics)
         new_state = state.replace(params=params, model_state=like(sum_ms, state.model_state),
-                                  opt_state=opt_state, round=state.round + 1, message=message)
+                                  opt_state=opt_state, round=state.round + 1, message=message,
+                                  algorithm_state=algorithm_state)
         return new_state, metrics, jax.tree.map(lambda r: r[:m], new_rows)
 
     return round_rows

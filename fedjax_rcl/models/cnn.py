@@ -24,11 +24,14 @@ class SmallCNN(nn.Module):
       num_classes: output classes.
       conv_impl: ``"auto" | "cpu" | "patches" | "rows" | "native"`` (see ``fedjax_rcl.nn.conv``).
       projection_dim: output size of a MOON projection head on the embedding; None: no head.
+      classify_projection: the classifier reads the projection head's output (MOON's
+        ``ModelFedCon``) rather than the embedding.
     """
 
     num_classes: int
     conv_impl: str = "auto"
     projection_dim: int | None = None
+    classify_projection: bool = False
 
     @nn.compact
     def __call__(self, x: jax.Array, *, train: bool = True, start: int = 0) -> ModelOutput:
@@ -53,7 +56,8 @@ class SmallCNN(nn.Module):
             x = nn.relu(x)
             blocks.append(x)
         return head(x, levels, blocks, num_classes=self.num_classes,
-                    projection_dim=self.projection_dim)
+                    projection_dim=self.projection_dim,
+                    classify_projection=self.classify_projection)
 
 
 def _build(num_classes, *, conv_impl="auto", norm="group", width=None, projection_dim=None):
@@ -63,9 +67,23 @@ def _build(num_classes, *, conv_impl="auto", norm="group", width=None, projectio
     return SmallCNN(num_classes, conv_impl=conv_impl, projection_dim=projection_dim)
 
 
+def _build_fedcon(num_classes, *, conv_impl="auto", norm="group", width=None,
+                  projection_dim=None):
+    if width is not None:
+        raise ValueError(f"width={width}: model=moon_cnn has a fixed width")
+    del norm
+    return SmallCNN(num_classes, conv_impl=conv_impl, projection_dim=projection_dim or 256,
+                    classify_projection=True)
+
+
 # Levels: the two conv outputs and the two hidden dense outputs, pre-ReLU. Blocks (FedMLB):
 # conv1+pool, conv2+pool, fc1, fc2.
 # Smallest input: two valid 5x5 convolutions, each followed by a 2x2 pool: H -> (H - 4) // 2
 # -> ((H - 4) // 2 - 4) // 2 >= 1 needs H >= 16 (at 14 and 15 the second pool is empty; below,
 # the second convolution does not fit).
 register_model("cnn", _build, num_levels=4, norms=("group",), num_blocks=4, min_input_size=16)
+# MOON's tables train every method on its ``ModelFedCon(simple-cnn)``: the same CNN, then the
+# projection head (84 -> 84 -> 256 by default, ``moon.projection_dim`` under MOON) and the
+# classifier on the projection's output.
+register_model("moon_cnn", _build_fedcon, num_levels=4, norms=("group",), num_blocks=4,
+               min_input_size=16)

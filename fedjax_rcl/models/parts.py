@@ -40,15 +40,24 @@ def stem(x: jax.Array, features: int, *, norm: str, conv_impl: str, train: bool,
 
 
 def head(embedding: jax.Array, levels: list, blocks: list, *, num_classes: int,
-         projection_dim: int | None, logits_from: jax.Array | None = None) -> ModelOutput:
+         projection_dim: int | None, logits_from: jax.Array | None = None,
+         classify_projection: bool = False) -> ModelOutput:
     """The classifier on the embedding (``dense -> logits``), MOON's projection head when
     ``projection_dim`` is set, and the model's ``ModelOutput`` (levels pooled to ``[B, C]``).
 
     ``logits_from``: what the classifier reads when it is not the embedding itself (pfl's CNN
-    applies dropout between the two).
+    applies dropout between the two). ``classify_projection``: the classifier reads the
+    projection head's output instead, as MOON's authors' ``ModelFedCon`` stacks them (features
+    -> projection -> classifier), for every method of their tables.
     """
-    x = embedding if logits_from is None else logits_from
-    logits = torch_dense(x.shape[-1], num_classes, name="head")(x)
-    z = ProjectionHead(projection_dim, name="projection")(embedding) if projection_dim else None
+    if classify_projection:
+        if not projection_dim:
+            raise ValueError("classify_projection needs a projection head (projection_dim)")
+        z = ProjectionHead(projection_dim, name="projection")(embedding)
+        logits = torch_dense(projection_dim, num_classes, name="head")(z)
+    else:
+        x = embedding if logits_from is None else logits_from
+        logits = torch_dense(x.shape[-1], num_classes, name="head")(x)
+        z = ProjectionHead(projection_dim, name="projection")(embedding) if projection_dim else None
     return ModelOutput(logits, tuple(spatial_mean(f) for f in levels), embedding, z,
                        tuple(blocks))

@@ -1,0 +1,185 @@
+"""Stateful algorithms (SCAFFOLD, FedDyn): the compiled rounds against a float64 NumPy round
+on random inputs, side by side and one after another, full and partial participation; their
+server and client state checkpointed and resumed exactly; a run written before the algorithm
+server state existed still resumes."""
+
+import tarfile
+from pathlib import Path
+
+import chex
+import flax.linen as nn
+import jax
+import numpy as np
+import pytest
+
+from fedjax_rcl.config import Config, load_config
+from fedjax_rcl.engine.client import epoch_permutations
+from fedjax_rcl.engine.round import client_keys, clients_per_round, sample_clients
+from fedjax_rcl.experiment import build
+from fedjax_rcl.models.base import ModelOutput
+from fedjax_rcl.training import load_run, resume, train
+
+CLASSES = 4
+
+
+class Linear(nn.Module):
+    """Softmax regression on the flattened image: a model whose gradient NumPy writes down."""
+
+    @nn.compact
+    def __call__(self, x, *, train=True, start=0):
+        del train, start
+        x = x.reshape(x.shape[0], -1)
+        logits = nn.Dense(CLASSES, kernel_init=nn.initializers.normal(0.05),
+                          bias_init=nn.initializers.normal(0.05))(x)
+        return ModelOutput(logits, (), x, None, ())
+
+
+def _cfg(algorithm, **kw):
+    base = dict(dataset="toy", model="cnn", algorithm=algorithm, num_clients=6,
+                participation=0.5, partition="dirichlet", alpha=0.5, balanced=False,
+                local_epochs=2, batch_size=16, lr=0.05, lr_decay=0.9, momentum=0.9,
+                weight_decay=1e-3, clip_norm=0.0, augment=False, rounds=2)
+    base.update(kw)
+    return Config(**base)
+
+
+def _softmax_grad(w, b, x, y):
+    """Mean cross-entropy's gradient of softmax regression, float64."""
+    z = x @ w + b
+    p = np.exp(z - z.max(1, keepdims=True))
+    p /= p.sum(1, keepdims=True)
+    d = (p - np.eye(CLASSES)[y]) / len(y)
+    return x.T @ d, d.sum(0)
+
+
+def _reference_rounds(exp, rounds, algorithm, alpha):
+    """``rounds`` rounds of ``algorithm`` client by client in float64 NumPy: the same clients,
+    batches and learning rates as the engine draws (sampling and shuffles are not under test),
+    every update written out from the papers' equations."""
+    cfg, st = exp.cfg, exp.state
+    n = cfg.num_clients
+    leaf = lambda tree: {k: np.asarray(v, np.float64) for k, v in tree["Dense_0"].items()}
+    params = leaf(st.params)
+    server = leaf(st.algorithm_state)
+    table = {k: np.asarray(v, np.float64) for k, v in st.client_states["Dense_0"].items()}
+    images = np.asarray(exp.data.images, np.float64) / 255.0
+    mean, std = np.asarray(exp.dataset.mean), np.asarray(exp.dataset.std)
+    x_all = ((images - mean) / std).reshape(len(images), -1)
+    labels = np.asarray(exp.data.labels)
+    m = clients_per_round(n, cfg.participation)
+    for r in range(rounds):
+        clients = np.asarray(sample_clients(st.key, np.int32(r), n, m))
+        keys = client_keys(st.key, np.int32(r), clients)
+        sizes = np.asarray(exp.data.client_sizes)[clients].astype(np.float64)
+        trained, results = [], []
+        for j, c in enumerate(clients):
+            size = int(exp.data.client_sizes[c])
+            indices = np.asarray(exp.data.client_indices[c])
+            perm_key, _ = jax.random.split(keys[j])
+            perms = np.asarray(epoch_permutations(perm_key, size, len(indices),
+                                                  cfg.local_epochs))
+            steps = -(-size // cfg.batch_size)
+            w, b = params["kernel"].copy(), params["bias"].copy()
+            mw, mb = np.zeros_like(w), np.zeros_like(b)
+            row = {k: v[c] for k, v in table.items()}
+            lr_sum = 0.0
+            for t in range(cfg.local_epochs * steps):
+                epoch, bi = divmod(t, steps)
+                pos = (bi * cfg.batch_size + np.arange(cfg.batch_size)) % size
+                idx = indices[perms[epoch, pos]]
+                gw, gb = _softmax_grad(w, b, x_all[idx], labels[idx])
+                if algorithm == "feddyn":  # - <g_k, theta> + alpha/2 ||theta - theta_g||^2
+                    gw = gw - row["kernel"] + alpha * (w - params["kernel"])
+                    gb = gb - row["bias"] + alpha * (b - params["bias"])
+                lr = cfg.lr * cfg.lr_decay ** (r + epoch)
+                lr_sum += lr
+                gw, gb = gw + cfg.weight_decay * w, gb + cfg.weight_decay * b
+                mw, mb = gw + cfg.momentum * mw, gb + cfg.momentum * mb
+                uw, ub = -lr * mw, -lr * mb
+                if algorithm == "scaffold":  # y <- y - lr (c - c_i), after the optimizer
+                    uw = uw - lr * (server["kernel"] - row["kernel"])
+                    ub = ub - lr * (server["bias"] - row["bias"])
+                w, b = w + uw, b + ub
+            y = {"kernel": w, "bias": b}
+            if algorithm == "scaffold":  # option II
+                new = {k: row[k] - server[k] + (params[k] - y[k]) / lr_sum for k in y}
+                results.append({k: new[k] - row[k] for k in y})
+            else:
+                new = {k: row[k] - alpha * (y[k] - params[k]) for k in y}
+                results.append({k: y[k] - params[k] for k in y})
+            for k in y:
+                table[k][c] = new[k]
+            trained.append(y)
+        weights = sizes / sizes.sum()
+        mean_model = {k: sum(wj * t[k] for wj, t in zip(weights, trained, strict=True))
+                      for k in params}
+        summed = {k: sum(res[k] for res in results) for k in params}
+        if algorithm == "scaffold":
+            server = {k: server[k] + summed[k] / n for k in params}
+            params = mean_model
+        else:
+            server = {k: server[k] - alpha * summed[k] / n for k in params}
+            params = {k: mean_model[k] - server[k] / alpha for k in params}
+    return params, server, table
+
+
+@pytest.mark.parametrize("algorithm,alpha", [("scaffold", None), ("feddyn", 0.1)])
+@pytest.mark.parametrize("participation,in_parallel", [(0.5, 0), (0.5, 1), (1.0, 0), (1.0, 2)],
+                         ids=["partial-side-by-side", "partial-one-by-one",
+                              "full-side-by-side", "full-groups-of-2"])
+def test_rounds_equal_a_float64_numpy_reference(toy, algorithm, alpha, participation,
+                                                in_parallel):
+    cfg = _cfg(algorithm, participation=participation, clients_in_parallel=in_parallel)
+    if alpha is not None:
+        cfg.feddyn.alpha = alpha
+    exp = build(cfg, toy, module=Linear())
+    sizes = np.asarray(exp.data.client_sizes)
+    assert sizes.min() != sizes.max()  # uneven clients: different step counts K
+    params, server, table = _reference_rounds(exp, 2, algorithm, alpha)
+    step = jax.jit(exp.run_round)
+    state = exp.state
+    for _ in range(2):
+        state, _ = step(state, exp.data)
+    got = lambda tree: jax.tree.map(np.asarray, tree["Dense_0"])
+    chex.assert_trees_all_close(got(state.params), params, rtol=2e-4, atol=2e-5)
+    chex.assert_trees_all_close(got(state.algorithm_state), server, rtol=2e-4, atol=2e-5)
+    chex.assert_trees_all_close(got(state.client_states), table, rtol=2e-4, atol=2e-5)
+    # The state really moved: every client that trained has a nonzero row.
+    assert np.abs(server["kernel"]).max() > 1e-4
+    trained = np.abs(table["kernel"]).reshape(cfg.num_clients, -1).max(1) > 0
+    assert trained.sum() >= clients_per_round(cfg.num_clients, participation)
+
+
+TINY = ["dataset=digits", "num_clients=10", "participation=0.3", "local_epochs=1",
+        "batch_size=32", "momentum=0.5"]
+
+
+@pytest.mark.parametrize("algorithm", ["scaffold", "feddyn"])
+def test_stop_and_resume_is_bitwise_the_uninterrupted_run(tmp_path, algorithm):
+    quiet = dict(progress=False, log=lambda s: None)
+    base = [*TINY, f"algorithm={algorithm}", "checkpoint_every=2"]
+    whole, cut = tmp_path / "whole", tmp_path / "cut"
+    train(load_config(None, [*base, "rounds=4", f"run_dir={whole}"]), **quiet)
+    train(load_config(None, [*base, "rounds=2", f"run_dir={cut}"]), **quiet)
+    resume(cut, ["rounds=4"], **quiet)
+    a, b = load_run(whole)[1], load_run(cut)[1]
+    assert a.step == b.step == 4
+    chex.assert_trees_all_equal(a.state, b.state)
+    assert np.abs(jax.tree.leaves(a.state.algorithm_state)[0]).max() > 0
+
+
+def test_a_run_written_before_algorithm_state_existed_resumes(tmp_path):
+    """tests/data/run_5c33619.tar.gz: a tiny FedAvg run (2 rounds) written by commit 5c33619,
+    before ``ServerState.algorithm_state``; it resumes, and its third round equals a fresh
+    run's (within float reassociation: the two were compiled apart)."""
+    with tarfile.open(Path(__file__).parent / "data" / "run_5c33619.tar.gz") as tar:
+        tar.extractall(tmp_path, filter="data")
+    old, fresh = tmp_path / "run", tmp_path / "fresh"
+    quiet = dict(progress=False, log=lambda s: None)
+    resume(old, ["rounds=3"], **quiet)
+    cfg = load_run(old)[0].cfg
+    train(load_config(None, ["algorithm=fedavg", "num_clients=4", "participation=0.5",
+                             "local_epochs=1", "rounds=3", f"run_dir={fresh}"]), **quiet)
+    a, b = load_run(old)[1], load_run(fresh)[1]
+    assert a.step == b.step == 3 and cfg.algorithm == "fedavg"
+    chex.assert_trees_all_close(a.state.params, b.state.params, rtol=1e-4, atol=1e-5)
