@@ -147,7 +147,7 @@ def make_partition(cfg: CoreConfig, labels: np.ndarray) -> list[np.ndarray]:
     try:
         return partition(labels, cfg.num_clients, method=cfg.partition, seed=cfg.seed,
                          alpha=cfg.alpha, shards_per_client=cfg.shards_per_client,
-                         balanced=cfg.balanced)
+                         balanced=cfg.balanced, version=cfg.partition_version)
     except ValueError as e:
         raise ConfigError([f"partition={cfg.partition!r} with num_clients={cfg.num_clients} on "
                            f"{len(labels)} training samples: {e}"]) from None

@@ -255,6 +255,64 @@ def test_race_zero_weights_and_exhausted_classes():
     assert set(range(5)) <= set(s.tolist()) and s.size == 50
 
 
+def _sequential_class_law(p: np.ndarray, left: np.ndarray, k: int) -> dict[tuple, float]:
+    """Exact law of the class counts of k successive weighted draws without replacement, each
+    remaining sample of class c weighing p[c] (a recursion over the draws)."""
+    law = {tuple(np.zeros(p.size, int)): 1.0}
+    for _ in range(k):
+        nxt: dict[tuple, float] = {}
+        for counts, prob in law.items():
+            rem = left - np.asarray(counts)
+            w = rem * p
+            for c in np.flatnonzero(w > 0):
+                new = list(counts)
+                new[c] += 1
+                nxt[tuple(new)] = nxt.get(tuple(new), 0.0) + prob * w[c] / w.sum()
+        law = nxt
+    return law
+
+
+@pytest.mark.parametrize("size", [1, 3, 5])
+def test_class_race_matches_successive_draws(size):
+    """Version 2's balanced split draws a client's class counts with ``_class_race``: the
+    law of successive weighted draws (a class that runs out drops out)."""
+    p, left = np.array([0.6, 0.3, 0.1]), np.array([2, 3, 4])
+    exact = _sequential_class_law(p, left, size)
+    rng = np.random.default_rng(7)
+    trials = 20000
+    freq: dict[tuple, int] = {}
+    for _ in range(trials):
+        key = tuple(P._class_race(p, left, size, rng).tolist())
+        freq[key] = freq.get(key, 0) + 1
+    assert set(freq) <= set(exact)
+    for key, q in exact.items():
+        f = freq.get(key, 0) / trials
+        assert abs(f - q) <= 5 * math.sqrt(q * (1 - q) / trials) + 1e-3, (key, f, q)
+
+
+def test_class_race_fills_from_zero_weight_classes_when_the_rest_runs_out():
+    rng = np.random.default_rng(0)
+    counts = P._class_race(np.array([1.0, 0.0, 0.0]), np.array([2, 5, 5]), 6, rng)
+    assert counts[0] == 2 and counts.sum() == 6 and (counts <= [2, 5, 5]).all()
+
+
+def test_version_2_balanced_split_is_valid_seeded_and_as_skewed_as_version_1():
+    labels = _labels()
+    kw = dict(method="dirichlet", alpha=0.1, seed=3)
+    v2 = P.partition(labels, 20, version=2, **kw)
+    _check_valid(v2, labels.size, 20)
+    assert {p.size for p in v2} == {labels.size // 20}
+    again = P.partition(labels, 20, version=2, **kw)
+    assert all(np.array_equal(a, b) for a, b in zip(v2, again, strict=True))
+    v1 = P.partition(labels, 20, **kw)  # version 1 stays the default and unchanged
+    assert not all(np.array_equal(a, b) for a, b in zip(v1, v2, strict=True))
+    skew = lambda parts: P.heterogeneity_summary(
+        P.class_counts(labels, parts, N_CLASSES))["dominant_fraction_mean"]
+    assert abs(skew(v1) - skew(v2)) < 0.15
+    with pytest.raises(ValueError, match="version must be one of"):
+        P.partition(labels, 20, version=3, **kw)
+
+
 # --------------------------------------------------------------------------------------------
 # Statistics, plot.
 # --------------------------------------------------------------------------------------------

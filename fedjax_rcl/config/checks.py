@@ -147,7 +147,7 @@ def validate(cfg: CoreConfig, *, check_data: bool = True) -> None:
       check_data: also check that the dataset exists / can be obtained (cheap, no decoding).
     """
     # Imported here: these lists live with their modules, and importing them pulls in JAX.
-    from fedjax_rcl.data.partitioning import PARTITIONS
+    from fedjax_rcl.data.partitioning import PARTITIONS, VERSIONS
     from fedjax_rcl.engine.tables import CLIENT_TABLES
     from fedjax_rcl.server import AGGREGATIONS
 
@@ -171,6 +171,7 @@ def validate(cfg: CoreConfig, *, check_data: bool = True) -> None:
     require(p, finite(cfg.participation) and 0 < cfg.participation <= 1, "participation",
            cfg.participation, "must be in (0, 1]")
     one_of(p, "partition", cfg.partition, PARTITIONS)
+    one_of(p, "partition_version", cfg.partition_version, VERSIONS)
     if cfg.partition == "file" and cfg.split_file is None:
         p.append("split_file=None: partition=file needs the path of a client split file")
     elif cfg.partition != "file" and cfg.split_file is not None:

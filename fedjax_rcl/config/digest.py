@@ -32,7 +32,8 @@ DIGEST_NEUTRAL_DEFAULTS = {"mfcl.bn_statistics": "running", "init_threefry_parti
                            "mfcl.probe_holdout": 0.1, "mfcl.probe_max_iter": 1000,
                            "mfcl.probe_tol": 1e-5, "mfcl.probe_controls": True,
                            "mfcl.tn_variance": "pooled", "mfcl.probe_projection": False,
-                           "split_file": None, "transforms": "fedrcl"}
+                           "split_file": None, "transforms": "fedrcl",
+                           "partition_version": 1}
 
 
 def flat_keys(d: dict, prefix: str = "") -> dict:
