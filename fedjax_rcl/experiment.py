@@ -44,7 +44,13 @@ from fedjax_rcl.engine.round import (
     make_round,
 )
 from fedjax_rcl.engine.sharding import client_mesh, put_replicated
-from fedjax_rcl.engine.tables import Advance, ClientTable, client_table
+from fedjax_rcl.engine.tables import (
+    Advance,
+    ClientTable,
+    client_table,
+    describe_table,
+    table_memory_problem,
+)
 from fedjax_rcl.models import ModelFns, get_model, input_size_problem, model_fns
 from fedjax_rcl.models.base import with_precision
 from fedjax_rcl.nn import resolve_conv_impl
@@ -322,6 +328,10 @@ def build(cfg: CoreConfig, dataset: ImageDataset | None = None, *,
     algorithm, settings, sopt = program.algorithm, program.settings, program.server_optimizer
     reports = report_like(train_model, algorithm, params, model_state, dataset.image_shape,
                           cfg.batch_size, settings.num_views)
+    row = jax.eval_shape(algorithm.init_client_state, params, model_state)
+    too_big = table_memory_problem(cfg.client_states, cfg.algorithm, row, cfg.num_clients)
+    if too_big:
+        raise ConfigError([too_big])
     table = client_table(cfg.client_states, cfg.num_clients,
                          clients_per_round(cfg.num_clients, cfg.participation), mesh)
     state = init_server_state(params, model_state, algorithm, sopt, root, reports)
@@ -333,4 +343,5 @@ def build(cfg: CoreConfig, dataset: ImageDataset | None = None, *,
                       evaluate=jax.jit(make_evaluate(model, mean=mean, std=std)),
                       server_start=sopt.start, mesh=mesh,
                       layout=describe_layout(per_round, devices, in_parallel,
-                                             conv_impl if built else "the given module's"))
+                                             conv_impl if built else "the given module's")
+                      + describe_table(cfg.client_states, row, cfg.num_clients))

@@ -183,3 +183,34 @@ def test_a_run_written_before_algorithm_state_existed_resumes(tmp_path):
     a, b = load_run(old)[1], load_run(fresh)[1]
     assert a.step == b.step == 3 and cfg.algorithm == "fedavg"
     chex.assert_trees_all_close(a.state.params, b.state.params, rtol=1e-4, atol=1e-5)
+
+
+def test_table_memory_is_estimated_before_anything_is_built():
+    from fedjax_rcl.engine.tables import describe_table, table_memory_problem
+
+    row = {"w": jax.ShapeDtypeStruct((1000, 250), np.float32)}  # 1 MB a client
+    assert table_memory_problem("device", "moon", row, 1000, host_free=10**10) is None
+    assert table_memory_problem("device", "moon", (), 10**9, host_free=1) is None  # no state
+    line = table_memory_problem("device", "moon", row, 6000, host_free=10**10)
+    # On a CPU the device table is held twice while placed: 12 GB; the host table once fits.
+    assert line == ("client_states=device: moon's per-client state needs 12.00 GB (6,000 "
+                    "clients x 1.00 MB) and host memory (a CPU device's) has 10.00 GB "
+                    "available; use fewer clients or a smaller model, or client_states=host "
+                    "(it holds the table once, in host memory)")
+    assert table_memory_problem("host", "moon", row, 6000, host_free=10**10) is None
+    gpu = table_memory_problem("device", "moon", row, 6000, host_free=10**9, device_free=10**9)
+    assert "device memory has 1.00 GB" in gpu and "client_states=host" not in gpu
+    assert describe_table("host", row, 2000) == ", client states 2.00 GB on the host"
+
+
+def test_a_table_that_cannot_fit_stops_before_compiling_with_one_line(tmp_path, capsys,
+                                                                      monkeypatch):
+    from fedjax_rcl.cli import main
+    from fedjax_rcl.engine import tables
+
+    monkeypatch.setattr(tables, "available_memory", lambda: 10**6)  # 1 MB left
+    run = tmp_path / "run"
+    assert main(["train", "algorithm=moon", "rounds=1", f"run_dir={run}", "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "client_states=device: moon's per-client state needs" in err[0]
+    assert not run.exists()

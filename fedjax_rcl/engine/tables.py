@@ -18,6 +18,7 @@ Both give the same results; a checkpoint holds the server state, plus the host t
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -192,6 +193,71 @@ class HostTable:
 
     def with_server(self, tree, server):
         return {**tree, "server": server}
+
+
+def available_memory() -> int:
+    """Bytes of host memory available now (Linux's ``MemAvailable``; else the free pages)."""
+    try:
+        for line in open("/proc/meminfo"):
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def device_memory_free(device=None) -> int | None:
+    """Bytes free on an accelerator (its allocator's limit less what is in use), or None where
+    the backend does not say (the CPU: its memory is the host's)."""
+    device = device or jax.devices()[0]
+    stats = device.memory_stats() if device.platform != "cpu" else None
+    if not stats or "bytes_limit" not in stats:
+        return None
+    return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
+
+
+def _gb(n: float) -> str:
+    return f"{n / 1e9:.2f} GB" if n >= 1e7 else f"{n / 1e6:.2f} MB"
+
+
+def table_bytes(row: ClientState, num_clients: int) -> tuple[int, int]:
+    """``(row_bytes, table_bytes)`` of a per-client table of ``num_clients`` copies of
+    ``row`` (arrays or shape-dtype structs)."""
+    row_bytes = sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize
+                    for x in jax.tree.leaves(row))
+    return row_bytes, row_bytes * num_clients
+
+
+def table_memory_problem(where: str, algorithm: str, row: ClientState, num_clients: int, *,
+                         host_free: int | None = None,
+                         device_free: int | None = None) -> str | None:
+    """One line saying that the per-client table cannot be held where ``client_states``
+    puts it, with what it needs and what there is (None when it fits). Checked before anything
+    is built or compiled. On a CPU a device table is held twice while it is placed (the host
+    copy it is made from and the device's), a host table once."""
+    row_bytes, total = table_bytes(row, num_clients)
+    if not total:
+        return None
+    host_free = available_memory() if host_free is None else host_free
+    if where == "device":
+        device_free = device_memory_free() if device_free is None else device_free
+        need, have, place = ((2 * total, host_free, "host memory (a CPU device's)")
+                             if device_free is None else (total, device_free, "device memory"))
+    else:
+        need, have, place = total, host_free, "host memory"
+    if need <= 0.9 * have:
+        return None
+    hint = (", or client_states=host (it holds the table once, in host memory)"
+            if where == "device" and total <= 0.9 * host_free else "")
+    return (f"client_states={where}: {algorithm}'s per-client state needs {_gb(need)} "
+            f"({num_clients:,} clients x {_gb(row_bytes)}) and {place} has {_gb(have)} "
+            f"available; use fewer clients or a smaller model{hint}")
+
+
+def describe_table(where: str, row: ClientState, num_clients: int) -> str:
+    """``"client states 1.20 GB on the device"`` for the start-up line ("" without state)."""
+    _, total = table_bytes(row, num_clients)
+    return f", client states {_gb(total)} on the {where}" if total else ""
 
 
 def client_table(where: str, num_clients: int, per_round: int,

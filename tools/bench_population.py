@@ -1,0 +1,119 @@
+"""Client populations from a thousand to a million: start-up, seconds a round, peak memory and
+where the per-client state lives, for a stateless algorithm (FedAvg) and stateful ones (MOON,
+SCAFFOLD), 10 and 100 clients a round.
+
+    python tools/bench_population.py [--populations 1000 10000 100000 1000000] \
+        [--per-round 10 100] [--algorithms fedavg moon scaffold] [--rounds 3]
+
+Each case is its own process on synthetic 16x16 RGB images (``max(population, 50,000)``
+training images, an equal split: every client holds at least one), MOON's small CNN, one local
+epoch of batch ``min(8, client size)``, ``partition_version=2``. A case whose per-client table
+cannot be held stops before compiling with the run's own one-line message (``refused``).
+Reported: the seconds from the start of ``build`` to the first round's start (partition,
+data placement, table, compilation), the median seconds of the rounds after the first, the
+process's peak resident memory and the start-up line's description of the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import resource
+import subprocess
+import sys
+import time
+
+
+def synthetic(n: int, size: int = 16):
+    import numpy as np
+
+    from fedjax_rcl.data import ImageDataset
+
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, 256, (n, size, size, 3), dtype=np.uint8)
+    y = (np.arange(n) % 10).astype(np.int32)
+    return ImageDataset("synthetic", x, y, x[:1000], y[:1000], tuple(map(str, range(10))),
+                        (0.5, 0.5, 0.5), (0.29, 0.29, 0.29), True)
+
+
+def worker(algorithm: str, population: int, per_round: int, rounds: int) -> dict:
+    import jax
+    import numpy as np
+
+    from fedjax_rcl.config import Config
+    from fedjax_rcl.experiment import build
+    from fedjax_rcl.training import compile_program
+    from fedjax_rcl.validation import ConfigError
+
+    n = max(population, 50_000)
+    data = synthetic(n)
+    cfg = Config(dataset="synthetic", model="cnn", algorithm=algorithm, num_clients=population,
+                 participation=per_round / population, partition="iid", local_epochs=1,
+                 batch_size=min(8, n // population), partition_version=2, augment=False)
+    row = {"algorithm": algorithm, "population": population, "per_round": per_round}
+    t0 = time.perf_counter()
+    try:
+        exp = build(cfg, data)
+    except ConfigError as e:
+        return {**row, "refused": str(e), "startup_s": time.perf_counter() - t0,
+                "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
+    advance = compile_program(exp).advance
+    startup = time.perf_counter() - t0
+    state, times = exp.state, []
+    for _ in range(rounds):
+        t = time.perf_counter()
+        state, _ = advance(state, 1)
+        jax.block_until_ready(state)
+        times.append(time.perf_counter() - t)
+    return {**row, "startup_s": startup, "round_s": float(np.median(times[1:] or times)),
+            "first_round_s": times[0], "table": exp.layout.split("client states ")[-1]
+            if "client states" in exp.layout else "none",
+            "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--worker", nargs=4, help=argparse.SUPPRESS)
+    ap.add_argument("--populations", type=int, nargs="+",
+                    default=[1_000, 10_000, 100_000, 1_000_000])
+    ap.add_argument("--per-round", type=int, nargs="+", default=[10, 100])
+    ap.add_argument("--algorithms", nargs="+", default=["fedavg", "moon", "scaffold"])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--out", help="also write the rows as JSON lines here")
+    args = ap.parse_args()
+    if args.worker:
+        a, p, m, r = args.worker
+        print(json.dumps(worker(a, int(p), int(m), int(r))))
+        return
+    print(f"# {platform.processor() or platform.machine()}, python {platform.python_version()}")
+    rows = []
+    for algorithm in args.algorithms:
+        for population in args.populations:
+            for per_round in args.per_round:
+                if per_round > population:
+                    continue
+                proc = subprocess.run([sys.executable, __file__, "--worker", algorithm,
+                                       str(population), str(per_round), str(args.rounds)],
+                                      capture_output=True, text=True)
+                if proc.returncode:
+                    print(proc.stderr[-1500:], file=sys.stderr)
+                    continue
+                rows.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+                print(json.dumps(rows[-1]), flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in rows)
+    print("\n| algorithm | clients | a round | start-up s | s / round | peak RSS GB | state |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        state = (f"refused: {r['refused'].split(': ', 1)[-1][:60]}..." if "refused" in r
+                 else r["table"])
+        print(f"| {r['algorithm']} | {r['population']:,} | {r['per_round']} | "
+              f"{r['startup_s']:.1f} | {r.get('round_s', float('nan')):.2f} | "
+              f"{r['peak_rss_gb']:.2f} | {state} |")
+
+
+if __name__ == "__main__":
+    main()
