@@ -289,7 +289,8 @@ def build(cfg: CoreConfig, dataset: ImageDataset | None = None, *,
         settings = LocalTraining(
             batch_size=cfg.batch_size,
             local_epochs=cfg.local_epochs,
-            steps_per_epoch=math.ceil(padded / cfg.batch_size),
+            steps_per_epoch=(padded // cfg.batch_size if cfg.drop_last
+                             else math.ceil(padded / cfg.batch_size)),
             uniform_sizes=bool(sizes.min() == sizes.max() == padded),
             lr_fn=lambda r, e: cfg.lr * jnp.power(cfg.lr_decay, (r + e).astype(jnp.float32)),
             mean=mean,
@@ -305,6 +306,7 @@ def build(cfg: CoreConfig, dataset: ImageDataset | None = None, *,
             precision=cfg.precision,
             num_clients=cfg.num_clients,
             sampled_fraction=per_round / cfg.num_clients,
+            drop_last=cfg.drop_last,
         )
         if algorithm.optimizer is not None:  # the algorithm prescribes its own (MFCL: Adam)
             opt = algorithm.optimizer(cfg.lr, clip_norm=cfg.clip_norm,

@@ -78,7 +78,7 @@ def _reference_rounds(exp, rounds, algorithm, alpha):
             perm_key, _ = jax.random.split(keys[j])
             perms = np.asarray(epoch_permutations(perm_key, size, len(indices),
                                                   cfg.local_epochs))
-            steps = -(-size // cfg.batch_size)
+            steps = size // cfg.batch_size if cfg.drop_last else -(-size // cfg.batch_size)
             w, b = params["kernel"].copy(), params["bias"].copy()
             mw, mb = np.zeros_like(w), np.zeros_like(b)
             row = {k: v[c] for k, v in table.items()}
@@ -124,12 +124,14 @@ def _reference_rounds(exp, rounds, algorithm, alpha):
 
 
 @pytest.mark.parametrize("algorithm,alpha", [("scaffold", None), ("feddyn", 0.1)])
-@pytest.mark.parametrize("participation,in_parallel", [(0.5, 0), (0.5, 1), (1.0, 0), (1.0, 2)],
+@pytest.mark.parametrize("participation,in_parallel,drop_last",
+                         [(0.5, 0, False), (0.5, 1, False), (1.0, 0, False), (1.0, 2, True)],
                          ids=["partial-side-by-side", "partial-one-by-one",
-                              "full-side-by-side", "full-groups-of-2"])
+                              "full-side-by-side", "full-groups-of-2-drop-last"])
 def test_rounds_equal_a_float64_numpy_reference(toy, algorithm, alpha, participation,
-                                                in_parallel):
-    cfg = _cfg(algorithm, participation=participation, clients_in_parallel=in_parallel)
+                                                in_parallel, drop_last):
+    cfg = _cfg(algorithm, participation=participation, clients_in_parallel=in_parallel,
+               drop_last=drop_last)
     if alpha is not None:
         cfg.feddyn.alpha = alpha
     exp = build(cfg, toy, module=Linear())

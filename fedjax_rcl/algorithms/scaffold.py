@@ -48,8 +48,10 @@ def scaffold() -> ClientAlgorithm:
 
     def update_client_state(c_i, params, model_state, ctx):
         del model_state
-        return jax.tree.map(lambda ci, c, x, y: ci - c + (x - y) / ctx.lr_sum,
-                            c_i, ctx.server_state, ctx.global_params, params)
+        # A client that took no step (smaller than a batch under drop_last) keeps its c_i.
+        return jax.tree.map(
+            lambda ci, c, x, y: jnp.where(ctx.lr_sum > 0, ci - c + (x - y) / ctx.lr_sum, ci),
+            c_i, ctx.server_state, ctx.global_params, params)
 
     def client_result(old, new, params, model_state, ctx):
         del params, model_state, ctx

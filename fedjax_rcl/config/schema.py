@@ -150,6 +150,9 @@ class CoreConfig:
       rounds: rounds of the run.
       local_epochs: passes over its data a sampled client makes per round.
       batch_size: samples per local step.
+      drop_last: an epoch takes only full batches, leaving out the rest of its shuffled order
+        (PyTorch's ``drop_last=True``, as MOON's code trains); false: the last batch is filled
+        up from the start of the order (the FedRCL reference's epochs see every sample).
       lr: the client learning rate at round 0, epoch 0.
       lr_decay: the client learning rate is ``lr * lr_decay ** (round + epoch)``, as the
         FedRCL reference decays it.
@@ -216,6 +219,7 @@ class CoreConfig:
     rounds: int = 100
     local_epochs: int = 5
     batch_size: int = 50
+    drop_last: bool = False
     lr: float = 0.1
     lr_decay: float = 0.998
     momentum: float = 0.0

@@ -63,7 +63,8 @@ class LocalTraining:
     Attributes:
       batch_size: B.
       local_epochs: E.
-      steps_per_epoch: ``ceil(max_k n_k / B)``, the scan's steps per epoch.
+      steps_per_epoch: ``ceil(max_k n_k / B)`` (``floor`` with ``drop_last``), the scan's
+        steps per epoch.
       uniform_sizes: every client has the same size, so no step is ever masked.
       lr_fn: ``(round, epoch) -> learning rate`` (traced integers in, scalar out).
       mean, std: normalization constants; hflip, max_degrees, crop_padding, pad_mode:
@@ -80,6 +81,9 @@ class LocalTraining:
         ``fp16`` the loss is scaled dynamically (``GradScaler``).
       num_clients, sampled_fraction: the population and the fraction of it sampled each
         round, which the algorithm's ``RoundContext`` passes on.
+      drop_last: an epoch is ``floor(n_k / B)`` full batches, the rest of the shuffled order
+        left out (PyTorch's ``DataLoader(drop_last=True)``, as MOON's code trains); otherwise
+        ``ceil(n_k / B)``, the last batch filled up from the start of the order.
     """
 
     batch_size: int
@@ -100,6 +104,7 @@ class LocalTraining:
     precision: str = "fp32"
     num_clients: int = 0
     sampled_fraction: float = 0.0
+    drop_last: bool = False
 
     @property
     def num_steps(self) -> int:
@@ -268,7 +273,11 @@ def make_local_update(model: ModelFns, algorithm: ClientAlgorithm,
         perm_key, step_root = jax.random.split(key)
         max_size = indices.shape[0]
         perms = epoch_permutations(perm_key, size, max_size, s.local_epochs)
-        client_steps = (size + s.batch_size - 1) // s.batch_size  # S_k
+        if s.drop_last:  # S_k (a client smaller than a batch takes no step)
+            client_steps = size // s.batch_size
+        else:
+            client_steps = (size + s.batch_size - 1) // s.batch_size
+        per_epoch = jnp.maximum(client_steps, 1) if s.drop_last else client_steps
         opt_state = optimizer.init(global_params)
         counts = None
         if s.num_classes:
@@ -277,7 +286,7 @@ def make_local_update(model: ModelFns, algorithm: ClientAlgorithm,
 
         def step(carry, t):
             params, model_state, opt_state, scaler = carry
-            epoch, b = t // client_steps, t % client_steps
+            epoch, b = t // per_epoch, t % per_epoch
             pos = (b * s.batch_size + jnp.arange(s.batch_size)) % size
             idx = indices[perms[jnp.minimum(epoch, s.local_epochs - 1), pos]]
             images, labels = data.images[idx], data.labels[idx]
@@ -332,10 +341,11 @@ def make_local_update(model: ModelFns, algorithm: ClientAlgorithm,
             jnp.arange(s.num_steps)
         )
         count = masked_sum(jnp.ones(s.num_steps, jnp.float32), active)
-        metrics = {"loss": masked_sum(losses, active) / count}
-        metrics.update({k: masked_sum(v, active) / count for k, v in terms.items()})
+        denom = jnp.maximum(count, 1.0) if s.drop_last else count
+        metrics = {"loss": masked_sum(losses, active) / denom}
+        metrics.update({k: masked_sum(v, active) / denom for k, v in terms.items()})
         if algorithm.report is not None:
-            last_epoch = (jnp.arange(s.num_steps) // client_steps == s.local_epochs - 1) & active
+            last_epoch = (jnp.arange(s.num_steps) // per_epoch == s.local_epochs - 1) & active
             metrics["report"] = masked_sum(reports, last_epoch)
         if s.client_eval:
             metrics["acc_before"] = own_accuracy(model, s, global_params, global_model_state,
