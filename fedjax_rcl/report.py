@@ -169,14 +169,37 @@ def _method_key(key: str, config: dict) -> bool:
             or key.startswith("server."))
 
 
+# Variants a bare algorithm name would hide: the key whose value says which one a run is, and
+# what each value means (FedRCL's loss as released, with hard-negative mining, or as the
+# paper's equations write it).
+VARIANTS = {"fedrcl": ("fedrcl.mining", {"hard": "released hard-mined loss",
+                                          "none": "paper's equations"}),
+            "fedscl": ("fedrcl.mining", {"hard": "released hard-mined loss",
+                                          "none": "paper's equations"})}
+
+
+def _variant(run: Run) -> str:
+    """`` (released hard-mined loss)`` and the like for an algorithm with variants."""
+    key, names = VARIANTS.get(str(run.config.get("algorithm")), (None, {}))
+    value = run.config.get(key) if key else None
+    if key is None:
+        return ""
+    if value is None:  # records older than the key: the default, the released loss
+        value = "hard"
+    short = key.split(".")[-1]
+    return f" ({names.get(value, f'{short}={value}')})"
+
+
 def _label(run: Run, keys: Sequence[str]) -> str:
     parts = []
     for k in keys:
         v = run.config.get(k)
         if k == "algorithm":
-            parts.append(str(v))
+            parts.append(str(v) + _variant(run))
         elif k == "server.optimizer":
             parts.append(f"+ {v}")
+        elif k == VARIANTS.get(str(run.config.get("algorithm")), ("",))[0]:
+            continue  # named by the variant
         elif "." in k:  # a section's key: its short name
             parts.append(f"{k.split('.')[-1]}={v}")
         else:
@@ -372,6 +395,9 @@ def paired(runs: Sequence[Run], baseline: str, at: Sequence[int], window: int = 
     rounds up to each (``within_run``): per seed, the rounds in which the method's raw
     accuracy is higher, and the mean raw difference over the window, mean ± sd over seeds."""
     methods, settings, cells = group(runs)
+    named = [m for m in methods if m.split(" (")[0] == baseline]
+    if baseline not in methods and len(named) == 1:  # a bare name for its one variant
+        baseline = named[0]
     if baseline not in methods:
         raise ReportError(f"--baseline {baseline!r}: not a method of these runs; methods: "
                           + ", ".join(methods))
@@ -416,6 +442,75 @@ def paired(runs: Sequence[Run], baseline: str, at: Sequence[int], window: int = 
     return "\n".join(lines)
 
 
+def wall_seconds(run: Run, r: int) -> float | None:
+    """The wall-clock seconds the run took to round ``r``, training and evaluation (its
+    records' ``total_s``, which adds up across resumes; None: not recorded or not reached)."""
+    hit = [x for x in run.rows if x["round"] == r]
+    return float(hit[0]["total_s"]) if hit and "total_s" in hit[0] else None
+
+
+def rows(runs: Sequence[Run], at: Sequence[int]) -> list[dict]:
+    """The tables as data: one row per method, setting and reported round, each figure over
+    the seeds that reached the round (mean, sd, n), and the wall-clock seconds to that round."""
+    methods, settings, cells = group(runs)
+    out = []
+    for r in at:
+        for m in methods:
+            for s in settings:
+                hit = cells.get((m, s), [])
+                if not hit:
+                    continue
+                row = {"method": m, "setting": s, "round": r,
+                       "runs": [str(x.path) for x in hit]}
+                for name, values in (
+                        ("ema", [x.ema_at(r) for x in hit]),
+                        ("best", [x.best_to(r) if x.ema_at(r) is not None else None
+                                  for x in hit]),
+                        (f"last{_WINDOWS[0]}", [x.recent_at(r, _WINDOWS[0]) for x in hit]),
+                        (f"last{_WINDOWS[1]}", [x.recent_at(r, _WINDOWS[1]) for x in hit]),
+                        ("wall_s", [wall_seconds(x, r) for x in hit])):
+                    got = [v for v in values if v is not None]
+                    mean, sd = _mean_sd(got) if got else (None, None)
+                    row[f"{name}_mean"], row[f"{name}_sd"] = mean, sd if len(got) > 1 else None
+                    row[f"{name}_n"] = len(got)
+                row["evaluated_every_round"] = all(x.cadence_to(r) == 1 for x in hit
+                                                   if x.ema_at(r) is not None)
+                out.append(row)
+    return out
+
+
+def write_data(rows_: list[dict], out: Path) -> list[Path]:
+    """``report.csv`` and ``report.json``: the rows of ``rows``."""
+    import csv
+
+    (out / "report.json").write_text(json.dumps(rows_, indent=1) + "\n")
+    fields = [k for k in (rows_[0] if rows_ else {}) if k != "runs"]
+    with open(out / "report.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fields, extrasaction="ignore")
+        w.writeheader()
+        w.writerows(rows_)
+    return [out / "report.csv", out / "report.json"]
+
+
+def _wall(hit: Sequence[Run], r: int) -> str:
+    got = [v for v in (wall_seconds(x, r) for x in hit) if v is not None]
+    if not got:
+        return "—"
+    mean, _ = _mean_sd(got)
+    return f"{mean / 3600:.2f} h" if mean >= 3600 else f"{mean:.0f} s"
+
+
+def _seeds_note(runs: Sequence[Run], at: Sequence[int]) -> str:
+    """A visible note when a comparison rests on fewer than three seeds."""
+    _, _, cells = group(runs)
+    few = sorted({len([x for x in hit if x.ema_at(r) is not None])
+                  for hit in cells.values() for r in at})
+    if not few or few[0] >= 3:
+        return ""
+    return (f"**Note: some cells rest on {few[0]} seed{'s' if few[0] != 1 else ''}** (fewer "
+            "than three): a difference between them is not shown to exceed the seed noise.")
+
+
 def table(runs: Sequence[Run], at: Sequence[int]) -> str:
     methods, settings, cells = group(runs)
     lines = []
@@ -444,7 +539,16 @@ def table(runs: Sequence[Run], at: Sequence[int]) -> str:
         for m in methods:
             row = [_raw_cell(cells.get((m, s), []), r) for s in settings]
             lines.append(f"| {m} | " + " | ".join(row) + " |")
+        lines += ["", f"Wall-clock time to round {r}, training and evaluation (mean over "
+                  "seeds; from the records, across resumes):", "",
+                  "| method | " + " | ".join(settings) + " |",
+                  "|---" * (len(settings) + 1) + "|"]
+        for m in methods:
+            row = [_wall(cells.get((m, s), []), r) for s in settings]
+            lines.append(f"| {m} | " + " | ".join(row) + " |")
         lines.append("")
+    note = _seeds_note(runs, at)
+    lines += [note, ""] if note else []
     lines += ["Runs:", ""]
     for (m, s), hit in cells.items():
         for x in hit:
@@ -683,10 +787,12 @@ def report(run_dirs: Sequence[str | Path], out: str | Path, at: Sequence[int] = 
                 "beta_sweep.png": "FedRCL's accuracy at the last round against beta: the EMA "
                                   "and the raw mean of the last 10 rounds, per value of beta "
                                   "the mean over its seeds with bars of ± one sd"}
+    data = write_data(rows(runs, at), out)
     text = ("# Report\n\n" + table(runs, at) + (f"\n{diffs}\n" if diffs else "")
             + (f"\n{analysis}" if analysis else "")
             + (f"\n{spread}" if spread else "")
             + "\nFigures:\n\n" + "".join(f"- `{p.name}`: {captions[p.name]}.\n"
-                                          for p in figures))
+                                          for p in figures)
+            + "\nThe tables as data: " + ", ".join(f"`{p.name}`" for p in data) + ".\n")
     (out / "report.md").write_text(text)
     return out / "report.md"

@@ -10,6 +10,9 @@ from fedjax_rcl.cli import main
 ARGS = ["dataset=digits", "num_clients=10", "participation=0.5", "local_epochs=1",
         "partition=iid", "rounds=2", "--no-progress"]
 
+# FedRCL's label: the report names its loss (the released, hard-mined one by default).
+RCL = "fedrcl (released hard-mined loss)"
+
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
@@ -39,7 +42,7 @@ def test_two_runs_table_and_figures_and_the_beta_sweep(runs, tmp_path, capsys):
     # Methods as rows; the two runs differ only in the algorithm: one setting column.
     assert "| method | IID, 10 clients, seed 0 |" in text  # what they share, not "all runs"
     assert f"| fedavg | {_ema(runs['avg'], 2):.4f} (" in text
-    assert f"| fedrcl | {_ema(runs['rcl'], 2):.4f} (" in text
+    assert f"| fedrcl (released hard-mined loss) | {_ema(runs['rcl'], 2):.4f} (" in text
     for png in ("convergence.png", "collapse.png"):  # the fedavg run was analysed
         assert (out / png).stat().st_size > 10_000
     # ... and its analysis at the reported rounds is a table: global (local) for each measure.
@@ -50,14 +53,14 @@ def test_two_runs_table_and_figures_and_the_beta_sweep(runs, tmp_path, capsys):
                  for k in ("effective_rank", "vci", "effective_rank_uncentred", "mean_cosine",
                            "spread_share")]
         assert f"| fedavg | {r} | " + " | ".join(cells) + " |" in text
-    assert "| fedrcl |" not in text.split("Representation analysis")[1]  # not analysed
+    assert f"| {RCL} |" not in text.split("Representation analysis")[1]  # not analysed
     assert not (out / "beta_sweep.png").exists()
     # Runs that differ only in beta: the beta sweep. (One test with the above, so that the
     # three runs are trained once: pytest-xdist would build the fixture on each worker.)
     out = tmp_path / "rep-beta"
     assert main(["report", str(runs["rcl"]), str(runs["rcl-b05"]), "--out", str(out)]) == 0
     text = (out / "report.md").read_text()
-    assert "| fedrcl beta=1.0 |" in text and "| fedrcl beta=0.5 |" in text
+    assert f"| {RCL} beta=1.0 |" in text and f"| {RCL} beta=0.5 |" in text
     assert (out / "beta_sweep.png").stat().st_size > 10_000
     assert not (out / "collapse.png").exists()
 
@@ -127,14 +130,14 @@ def test_seeds_share_a_cell_with_mean_sd_and_paired_differences(tmp_path, capsys
     a, r = np.array([avg[s] for s in (0, 1, 2)]), np.array([rcl[s] for s in (0, 1, 2)])
     assert "| method | seeds 0, 1, 2 |" in text  # seeds are not settings
     assert f"| fedavg | {a.mean():.4f} ± {a.std(ddof=1):.4f} (" in text
-    assert f"| fedrcl | {r.mean():.4f} ± {r.std(ddof=1):.4f} (" in text and "n=3)" in text
+    assert f"| {RCL} | {r.mean():.4f} ± {r.std(ddof=1):.4f} (" in text and "n=3)" in text
     d = r - a
-    assert f"| fedrcl | {d.mean():+.4f} ± {d.std(ddof=1):.4f} (n=3) |" in text
+    assert f"| {RCL} | {d.mean():+.4f} ± {d.std(ddof=1):.4f} (n=3) |" in text
     assert "Paired difference from fedavg at round 4" in text
     assert (out / "convergence.png").stat().st_size > 10_000
     capsys.readouterr()
     assert main(["report", *dirs, "--out", str(out), "--baseline", "fedprox"]) == 2
-    assert "--baseline 'fedprox': not a method of these runs; methods: fedavg, fedrcl" in (
+    assert f"--baseline 'fedprox': not a method of these runs; methods: fedavg, {RCL}" in (
         capsys.readouterr().err)
 
 
@@ -197,7 +200,7 @@ def test_within_run_counts_rounds_above_the_baseline_over_the_window(tmp_path, c
         means.append(d.mean())
     m = np.array(means)
     assert "Within the runs, rounds 2-6" in text
-    assert f"| fedrcl | {', '.join(cells)}; {m.mean():+.4f} ± {m.std(ddof=1):.4f} |" in text
+    assert f"| {RCL} | {', '.join(cells)}; {m.mean():+.4f} ± {m.std(ddof=1):.4f} |" in text
     d0 = moon[1:] - acc["fedavg", 0][1:]
     assert f"| moon | s0: {int((d0 > 0).sum())}/5; {d0.mean():+.4f} |" in text
     base0 = [json.loads(x) for x in (tmp_path / "fedavg-0" / "metrics.jsonl").read_text()
@@ -265,7 +268,7 @@ def test_a_run_not_yet_at_the_reported_round_has_an_empty_cell(tmp_path):
     text = (out / "report.md").read_text()
     at2, at4 = text.split("EMA test accuracy at round 4")
     assert "| fedprox | — |" in at4.split("Runs:")[0]
-    assert "| fedprox | 0." in at2 and "| fedprox | — |" not in at2
+    assert "| fedprox | 0." in at2 and "| fedprox | — |" not in at2.split("Wall-clock")[0]
 
 
 def _cadence_run(path, config: str, accs, every: int, per_round_decay: bool):
@@ -301,7 +304,7 @@ def test_an_ema_at_another_cadence_is_marked_and_the_raw_means_stand_beside_it(t
     text = table([load_run(tmp_path / n) for n in ("avg", "rcl", "moon")], [60])
     ema_table, raw_table = text.split("Raw test accuracy at round 60")
     assert f"| fedavg | {e1:.4f} (" in ema_table  # every round: the paper's EMA, no mark
-    assert f"| fedrcl | {e10:.4f}† (" in ema_table and f"| moon | {e10n:.4f}† (" in ema_table
+    assert f"| {RCL} | {e10:.4f}† (" in ema_table and f"| moon | {e10n:.4f}† (" in ema_table
     note = ema_table.split("† Not evaluated every round")[1]
     assert f"`{tmp_path / 'rcl'}`: evaluated every 10 rounds" in note
     assert "applies 0.9 once per evaluation: a time constant of about 100 rounds" in note
@@ -310,7 +313,7 @@ def test_an_ema_at_another_cadence_is_marked_and_the_raw_means_stand_beside_it(t
     assert "rounds 51-60 (in brackets: rounds 11-60)" in raw_table
     assert f"| fedavg | {every[-10:].mean():.4f} ({every[-50:].mean():.4f}) |" in raw_table
     # Every 10th round: the last 10 rounds hold one evaluation, the last 50 five.
-    assert f"| fedrcl | {sparse[-1]:.4f} ({sparse[-5:].mean():.4f}) |" in raw_table
+    assert f"| {RCL} | {sparse[-1]:.4f} ({sparse[-5:].mean():.4f}) |" in raw_table
 
 
 def test_a_report_of_runs_all_evaluated_every_round_has_no_mark(tmp_path):
@@ -389,3 +392,52 @@ def test_a_beta_sweep_is_summarised_per_value_beside_another_method(tmp_path, mo
     assert list(ema_line.get_xdata()) == [0.5, 2.0]
     want = [np.mean([final[b, 0], final[b, 1]]) for b in (0.5, 2.0)]
     np.testing.assert_allclose(np.asarray(ema_line.get_ydata(), np.float64), want, rtol=1e-12)
+
+
+def test_tables_as_csv_and_json_with_wall_time_variant_labels_and_a_few_seeds_note(tmp_path):
+    """report.csv/report.json hold the tables' figures (NumPy over the seeds), each method's
+    wall-clock time to the round; FedRCL's two losses are named; fewer than three seeds are
+    flagged, three are not."""
+    import csv
+
+    import numpy as np
+
+    def run(path, config, accs, secs):
+        _fake_run(path, config, accs)
+        rows = [json.loads(x) for x in (path / "metrics.jsonl").read_text().splitlines()]
+        for r, t in zip(rows, secs, strict=True):
+            r["total_s"] = t
+        (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+    rng = np.random.default_rng(1)
+    accs = {s: rng.uniform(0.2, 0.6, 3) for s in (0, 1)}
+    for s in (0, 1):
+        run(tmp_path / f"hard-{s}", f"algorithm: fedrcl\nseed: {s}\nfedrcl:\n  mining: hard\n",
+            accs[s], [10.0, 20.0, 30.0 + s])
+    run(tmp_path / "paper", "algorithm: fedrcl\nseed: 0\nfedrcl:\n  mining: none\n",
+        [0.3, 0.4, 0.5], [5.0, 9.0, 4000.0])
+    out = tmp_path / "rep"
+    assert main(["report", *(str(tmp_path / d) for d in ("hard-0", "hard-1", "paper")),
+                 "--out", str(out)]) == 0
+    text = (out / "report.md").read_text()
+    assert "| fedrcl (released hard-mined loss) |" in text
+    assert "| fedrcl (paper's equations) |" in text
+    assert "| fedrcl (released hard-mined loss) | 30 s |" in text  # mean of 30 and 31: 30.5
+    assert "| fedrcl (paper's equations) | 1.11 h |" in text
+    assert "**Note: some cells rest on 1 seed**" in text
+    data = json.loads((out / "report.json").read_text())
+    hard = next(r for r in data if r["method"] == "fedrcl (released hard-mined loss)")
+    emas = [_ema(tmp_path / f"hard-{s}", 3) for s in (0, 1)]
+    assert hard["round"] == 3 and hard["ema_n"] == 2
+    assert hard["ema_mean"] == pytest.approx(np.mean(emas))
+    assert hard["ema_sd"] == pytest.approx(np.std(emas, ddof=1))
+    assert hard["wall_s_mean"] == pytest.approx(30.5)
+    with open(out / "report.csv") as f:
+        table = list(csv.DictReader(f))
+    assert len(table) == 2 and float(table[0]["ema_mean"]) == pytest.approx(data[0]["ema_mean"])
+    # Three seeds: no note.
+    for s in (2,):
+        run(tmp_path / f"hard-{s}", f"algorithm: fedrcl\nseed: {s}\n", accs[0], [1.0, 2, 3])
+    assert main(["report", *(str(tmp_path / f"hard-{s}") for s in (0, 1, 2)),
+                 "--out", str(out)]) == 0
+    assert "Note: some cells" not in (out / "report.md").read_text()
