@@ -89,6 +89,7 @@ from fedjax_rcl.training import (
     Program,
     check_finite,
     checkpoint_meta,
+    compile_analysis,
     cut_back,
     plot_run,
     prior_accuracies,
@@ -223,11 +224,13 @@ def runs_in_parallel(exps: list[Experiment], platform: str | None = None) -> int
 @dataclasses.dataclass(frozen=True)
 class GridProgram:
     """The compiled grid: ``advance(states, n) -> (states, metrics [R, n, ...])`` and
-    ``evaluate(states) -> {"accuracy", "loss"} [R]`` (NumPy), and the seconds compiling took."""
+    ``evaluate(states) -> {"accuracy", "loss"} [R]`` (NumPy), the seconds compiling took, and
+    with ``analysis_every`` each member's analysis, its programs compiled too."""
 
     advance: Callable
     evaluate: Callable
     compile_s: float
+    analyses: tuple = ()
 
 
 def _member_rounds(exps: list[Experiment], key: str | None):
@@ -297,6 +300,8 @@ def compile_grid(exps: list[Experiment], states, log: Callable[[str], None] = pr
     compiled = jax.jit(advance_all, donate_argnums=0).lower(
         states, first.data, indices, sizes, values, n0).compile()
     evaluate = jax.jit(evaluate_all).lower(states, first.test).compile()
+    analyses = (tuple(compile_analysis(e, _member(states, i)) for i, e in enumerate(exps))
+                if first.cfg.analysis_every else ())
     compile_s = time.perf_counter() - t0
     log(f"compiled in {compile_s:.1f} s")
 
@@ -306,7 +311,7 @@ def compile_grid(exps: list[Experiment], states, log: Callable[[str], None] = pr
         return states, jax.tree.map(lambda x: x[:, :n], to_host(metrics))
 
     return GridProgram(advance, lambda states: to_host(evaluate(states, first.test)),
-                       compile_s)
+                       compile_s, analyses)
 
 
 class _Checkpointers:
@@ -385,8 +390,11 @@ def _grid_stage(exps: list[Experiment], program: GridProgram, ckpts: list[Checkp
     and per-client lines are those of its own stage (``training.rounds_stage``)."""
     cfg = exps[0].cfg
     histories = histories or [()] * len(exps)
-    members = [rounds_stage(e, Program(advance=None, evaluate=None, compile_s=0.0), c, a, p, h)
-               for e, c, a, p, h in zip(exps, ckpts, emas, priors, histories, strict=True)]
+    analyses = program.analyses or (None,) * len(exps)
+    members = [rounds_stage(e, Program(advance=None, evaluate=None, compile_s=0.0, analyze=z),
+                            c, a, p, h)
+               for e, c, a, p, h, z in zip(exps, ckpts, emas, priors, histories, analyses,
+                                           strict=True)]
     analysis = bool(cfg.analysis_every)
 
     def advance(states, done, n):

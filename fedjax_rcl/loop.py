@@ -294,6 +294,10 @@ def load_run_config(run_dir: Path, overrides=()) -> tuple[CoreConfig, CoreConfig
     """A run's saved config and the config with ``overrides`` applied (``ConfigError`` if
     ``run_dir`` is not a run)."""
     path = Path(run_dir) / "config.yaml"
+    if not Path(run_dir).exists():
+        raise ConfigError([f"run_dir={str(run_dir)!r}: no such directory"])
+    if not Path(run_dir).is_dir():
+        raise ConfigError([f"run_dir={str(run_dir)!r}: not a directory"])
     if not path.is_file():
         raise ConfigError([f"run_dir={str(run_dir)!r}: no config.yaml; not a fedjax-rcl run"])
     # Its plugins are looked up where the run found them too, so it continues from anywhere.

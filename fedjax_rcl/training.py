@@ -52,8 +52,8 @@ from fedjax_rcl.rundir import atomic_write_text, read_metrics_upto
 from fedjax_rcl.validation import ConfigError
 
 __all__ = ["Program", "TrainingError", "check_finite",
-           "checkpoint_meta", "checkpoint_tree", "compile_program", "continue_run", "cut_back",
-           "evaluate_run", "load_run", "plot_run", "prior_seconds",
+           "checkpoint_meta", "checkpoint_tree", "compile_analysis", "compile_program",
+           "continue_run", "cut_back", "evaluate_run", "load_run", "plot_run", "prior_seconds",
            "progress_line", "resume", "rounds_stage", "state_from_checkpoint", "train"]
 
 # Per-client metrics (``client_metrics``, ``client_eval``): one line per round.
@@ -86,24 +86,35 @@ def checkpoint_meta(cfg: CoreConfig, done: int, acc_ema: float | None) -> dict:
 @dataclasses.dataclass(frozen=True)
 class Program:
     """A compiled run: ``advance(state, n) -> (state, metrics [n])`` for the rounds between
-    evaluations, ``evaluate(params, model_state, test)``, and the seconds compiling took."""
+    evaluations, ``evaluate(params, model_state, test)``, the seconds compiling took, and
+    with ``analysis_every`` the representation analysis, its programs compiled too."""
 
     advance: Advance
     evaluate: Callable
     compile_s: float
+    analyze: Callable | None = None
+
+
+def compile_analysis(exp: Experiment, state: ServerState) -> Callable:
+    """The run's representation analysis, its programs compiled (not run) for ``state``."""
+    analyze = exp.analysis(exp.cfg.analysis_images)
+    analyze.compile_ahead(state)
+    return analyze
 
 
 def compile_program(exp: Experiment, log: Callable[[str], None] = _silent) -> Program:
-    """Compiles the rounds (through the experiment's client-table strategy) and the
-    evaluation, once, before the loop."""
+    """Compiles, once, before the loop, everything the loop runs: the rounds (through the
+    experiment's client-table strategy), the evaluation and, with ``analysis_every``, the
+    analysis, so that the time it prints is the time until the first round can run."""
     log("compiling the round (once per run; a repeat reads JAX's cache)...")
     interrupts.test_point("compiling")
     t0 = time.perf_counter()
     advance = exp.compile_rounds()
     evaluate = exp.evaluate.lower(exp.state.params, exp.state.model_state, exp.test).compile()
+    analyze = compile_analysis(exp, exp.state) if exp.cfg.analysis_every else None
     compile_s = time.perf_counter() - t0
     log(f"compiled in {compile_s:.1f} s")
-    return Program(advance, evaluate, compile_s)
+    return Program(advance, evaluate, compile_s, analyze)
 
 
 def checkpoint_tree(exp: Experiment, state: ServerState):
@@ -144,8 +155,8 @@ def rounds_stage(exp: Experiment, program: Program, ckpt: Checkpointer, acc_ema:
     rounds."""
     cfg = exp.cfg
     recent = list(history)
-    analyze = None
-    if cfg.analysis_every:
+    analyze = program.analyze
+    if cfg.analysis_every and analyze is None:
         analyze = exp.analysis(cfg.analysis_images)
     ema_now = [acc_ema]
 

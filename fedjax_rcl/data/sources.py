@@ -30,7 +30,7 @@ import numpy as np
 from fedjax_rcl import registry
 from fedjax_rcl.data.cache import CACHE_FORMAT_VERSION, cached_arrays, default_cache_dir
 from fedjax_rcl.data.dataset import DataError, ImageDataset, channel_stats
-from fedjax_rcl.validation import did_you_mean
+from fedjax_rcl.validation import ConfigError, did_you_mean
 
 __all__ = [
     "CACHE_FORMAT_VERSION",
@@ -84,12 +84,34 @@ def load_dataset(spec: str, *, data_dir: str | None = None,
     Raises:
         DataError: Unknown spec, missing or malformed data, or a TFDS dataset that is neither
             prepared nor downloadable.
+        ConfigError: A channel whose normalisation std is below ``MIN_STD`` (its training
+            images are constant in it), which would make training diverge in round 1.
     """
     entry, path = _parse_spec(spec)
     if entry is None:
         from fedjax_rcl.data import imagefolder
-        return imagefolder.load_imagefolder(path, cache_dir=cache_dir)
-    return _registered(entry, data_dir, cache_dir)
+        dataset = imagefolder.load_imagefolder(path, cache_dir=cache_dir)
+    else:
+        dataset = _registered(entry, data_dir, cache_dir)
+    _check_std(spec, dataset)
+    return dataset
+
+
+MIN_STD = 1e-3
+"""The smallest per-channel normalisation std (in [0, 1] pixel units) a dataset may have."""
+
+
+def _check_std(spec: str, dataset: ImageDataset) -> None:
+    """Refuses a dataset that normalisation would divide by (almost) zero: a channel whose
+    std is below ``MIN_STD`` (constant images in it) makes the inputs huge or non-finite, and
+    the first round's loss NaN."""
+    for channel, std in enumerate(dataset.std):
+        if not std >= MIN_STD:  # also NaN
+            raise ConfigError([
+                f"dataset={spec!r}: channel {channel} has std {std:.3g} (in [0, 1] pixel "
+                f"units, below {MIN_STD:g}): its training images are constant in that channel, "
+                "so normalising divides by ~0 and training diverges; use images that vary in "
+                "every channel"])
 
 
 def _registered(entry, data_dir: str | None, cache_dir: str | None = None) -> ImageDataset:

@@ -68,7 +68,8 @@ def analysis_subset(labels, num_images: int) -> np.ndarray:
 def make_analysis(model, dataset, data, local_update, server_start, row, *, num_clients: int,
                   clients_per_round: int, rounds: int, num_images: int):
     """Builds ``analyze(state) -> dict`` of metrics at ``state`` (before the round
-    ``state.round`` runs).
+    ``state.round`` runs); ``analyze.compile_ahead(state)`` compiles its programs without
+    running them, so that a run's compile time includes them.
 
     Args:
       model: the ``ModelFns`` that trains; its ``embedding`` output is analysed.
@@ -113,11 +114,15 @@ def make_analysis(model, dataset, data, local_update, server_start, row, *, num_
         return jnp.zeros((num_clients,), jnp.int32).at[picks.reshape(-1)].add(
             counted.reshape(-1))
 
+    @jax.jit
+    def first_client(key, round_):
+        return sample_clients(key, round_, num_clients, m)[0]
+
     def analyze(state) -> dict:
         x = jnp.asarray(images)
         out = _summary("global", jax.device_get(features(state.params, state.model_state, x)),
                        labels)
-        first = int(sample_clients(state.key, state.round, num_clients, m)[0])
+        first = int(first_client(state.key, state.round))
         params, model_state, client = local_model(state, data, row(state, first))
         out.update(_summary("local", jax.device_get(features(params, model_state, x)), labels))
         out["local_client"] = int(client)
@@ -125,4 +130,14 @@ def make_analysis(model, dataset, data, local_update, server_start, row, *, num_
         out["participation"] = counts.tolist()
         return out
 
+    def compile_ahead(state) -> None:
+        """Compiles every program ``analyze(state)`` runs (for states shaped as ``state``)
+        without running the analysis: a later call finds them in JAX's cache."""
+        x = jnp.asarray(images)
+        features.lower(state.params, state.model_state, x).compile()
+        first = int(first_client(state.key, state.round))
+        local_model.lower(state, data, row(state, first)).compile()
+        histogram.lower(state.key, int(state.round)).compile()
+
+    analyze.compile_ahead = compile_ahead
     return analyze

@@ -159,6 +159,7 @@ class HostTable:
         rows = put_replicated(jax.tree.map(lambda t: t[:m], self.rows), self.mesh)
         one = jax.jit(round_rows, donate_argnums=0).lower(state, data, rows).compile()
         sampler = jax.jit(lambda key, r: sample_clients(key, r, self.num_clients, m))
+        sampler.lower(state.key, state.round).compile()  # now, not in the first round
 
         def advance(state: ServerState, n: int):
             history = []

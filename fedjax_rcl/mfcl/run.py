@@ -132,6 +132,8 @@ def _phase1(exp: Experiment, run_dir: Path, state, done: int, sink: Sink, log,
         t0 = time.perf_counter()
         advance_rounds = exp.compile_rounds()
         evaluate = _reconstruction_eval(exp)
+        # Compiled now, not at the first evaluation (later calls find it in JAX's cache).
+        evaluate.lower(state.params, state.model_state, exp.test).compile()
         log(f"compiled in {time.perf_counter() - t0:.1f} s")
 
         def advance(state, done, n):
