@@ -98,6 +98,9 @@ def parser() -> argparse.ArgumentParser:
                         "tabulate it")
     su.add_argument("action", choices=["run", "table"])
     su.add_argument("suite", metavar="SUITE.yaml", help="the suite file (base config, runs)")
+    su.add_argument("overrides", nargs="*", metavar="key=value",
+                    help="settings applied to every run of the suite (recorded in each run's "
+                         "config.yaml), e.g. precision=bf16 or dataset=imagefolder:PATH")
     su.add_argument("--chunk", type=int, default=10, help="run: rounds per turn (default 10)")
     su.add_argument("--only", nargs="+", metavar="RUN", help="run: only these runs")
     su.add_argument("--out", help="table: where table.md and ema_accuracy.png go (default: "
@@ -105,9 +108,11 @@ def parser() -> argparse.ArgumentParser:
     su.add_argument("--runs-dir", metavar="DIR",
                     help="the runs' directory instead of the suite's runs_dir (for instance "
                          "a cache outside the repository, which keeps their checkpoints)")
-    s = sub.add_parser("partition", help="partition statistics and a clients x classes plot")
+    s = sub.add_parser("partition", help="partition statistics, and with --plot a clients x "
+                       "classes plot")
     _config_args(s, "num_clients=100 partition=dirichlet alpha=0.05 dataset=cifar10")
-    s.add_argument("--plot", default="partition.png", help="where to save the plot (PNG)")
+    s.add_argument("--plot", metavar="PATH", default=None,
+                   help="also save a clients x classes plot there (PNG); default: no plot")
     return p
 
 
@@ -168,9 +173,9 @@ def _command(argv: list[str] | None) -> int:
                 f" (write settings as key=value: {' '.join(settings)})")
         p.error(f"unrecognized arguments: {' '.join(unknown)}{hint}")
     if extra:
-        if args.command in ("eval", "report", "suite"):
+        if args.command in ("eval", "report"):
             p.error(f"{args.command} takes no overrides: {' '.join(extra)}")
-        if args.command == "resume":
+        if args.command in ("resume", "suite"):
             args.overrides = [*args.overrides, *extra]
         else:
             args.args = [*args.args, *extra]
@@ -271,7 +276,7 @@ def _suite(args) -> int:
     from fedjax_rcl import suite
     from fedjax_rcl.validation import ConfigError
 
-    spec = suite.load_suite(args.suite)
+    spec = suite.with_overrides(suite.load_suite(args.suite), args.overrides)
     if args.runs_dir:
         spec["runs_dir"] = args.runs_dir
     if args.action == "run":
@@ -281,7 +286,8 @@ def _suite(args) -> int:
 
         again = shlex.join(["fedjax-rcl", "suite", "run", args.suite, "--chunk",
                             str(args.chunk), *(["--only", *args.only] if args.only else []),
-                            *(["--runs-dir", args.runs_dir] if args.runs_dir else [])])
+                            *(["--runs-dir", args.runs_dir] if args.runs_dir else []),
+                            *args.overrides])
         interrupts.set_status(f"suite {args.suite}: each run keeps its last complete "
                               f"checkpoint (a stopped run's line above names it); continue "
                               f"with: {again}")
@@ -292,15 +298,17 @@ def _suite(args) -> int:
     return 0
 
 
-def _partition(cfg, plot_path: str) -> int:
+def _partition(cfg, plot_path: str | None) -> int:
+    """Prints the split's statistics as JSON; saves a plot only when ``--plot`` names one."""
     from fedjax_rcl.data import class_counts, heterogeneity_summary, load_dataset, plot_class_counts
     from fedjax_rcl.experiment import make_partition
     from fedjax_rcl.validation import ConfigError
 
-    parent = os.path.dirname(os.path.abspath(plot_path))
-    if not os.path.isdir(parent):  # checked before the data is loaded
-        raise ConfigError([f"--plot {plot_path}: directory {parent} does not exist; create it "
-                           "or give another path"])
+    if plot_path is not None:
+        parent = os.path.dirname(os.path.abspath(plot_path))
+        if not os.path.isdir(parent):  # checked before the data is loaded
+            raise ConfigError([f"--plot {plot_path}: directory {parent} does not exist; "
+                               "create it or give another path"])
     ds = load_dataset(cfg.dataset, data_dir=cfg.data_dir)
     parts = make_partition(cfg, ds.train_labels)
     counts = class_counts(ds.train_labels, parts, ds.num_classes)
@@ -313,11 +321,13 @@ def _partition(cfg, plot_path: str) -> int:
                "shards": f"shards ({cfg.shards_per_client} per client)",
                "file": f"split file {os.path.basename(cfg.split_file or '')}"}.get(
                    cfg.partition, cfg.partition)
-    plot_class_counts(counts, plot_path, class_names=ds.class_names,
-                      title=f"{name}: {setting}, {cfg.num_clients} clients")
-    print(json.dumps({**summary, "dataset": cfg.dataset, "partition": cfg.partition,
-                      "alpha": cfg.alpha, "num_clients": cfg.num_clients, "plot": plot_path},
-                     indent=2))
+    out = {**summary, "dataset": cfg.dataset, "partition": cfg.partition, "alpha": cfg.alpha,
+           "num_clients": cfg.num_clients}
+    if plot_path is not None:
+        plot_class_counts(counts, plot_path, class_names=ds.class_names,
+                          title=f"{name}: {setting}, {cfg.num_clients} clients")
+        out["plot"] = plot_path
+    print(json.dumps(out, indent=2))
     return 0
 
 

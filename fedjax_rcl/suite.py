@@ -46,7 +46,7 @@ from fedjax_rcl.checkpoint import saved_steps
 from fedjax_rcl.loop import TrainingError
 from fedjax_rcl.validation import ConfigError
 
-__all__ = ["load_suite", "rounds_done", "run", "table"]
+__all__ = ["load_suite", "rounds_done", "run", "table", "with_overrides"]
 
 _KEYS = ("base", "runs_dir", "rounds", "runs")
 
@@ -77,6 +77,29 @@ def load_suite(path: str) -> dict:
     if problems:
         raise ConfigError([f"suite file {path!r}: {p}" for p in problems])
     return suite
+
+
+def with_overrides(suite: dict, overrides) -> dict:
+    """The suite with ``key=value`` overrides appended to every run's (so they win, and each
+    run's ``config.yaml`` records them; a resumed run is given them again, and its digest
+    check refuses one that would change its results). Each run's config is loaded and checked
+    first: an unknown key or a bad value is a ``ConfigError`` naming it."""
+    from fedjax_rcl.config import load_config
+
+    overrides = list(overrides)
+    if not overrides:
+        return suite
+    bad = [o for o in overrides if "=" not in o]
+    if bad:
+        raise ConfigError([f"suite override {bad[0]!r}: must be key=value"])
+    runs = {name: [*run, *overrides] for name, run in suite["runs"].items()}
+    for name, run in runs.items():
+        try:
+            load_config(suite["base"], run)
+        except ConfigError as e:
+            raise ConfigError([f"suite {name}: {e.problems[0]}" if e.problems else str(e)]
+                              ) from None
+    return {**suite, "runs": runs, "overrides": overrides}
 
 
 def _is_int(x) -> bool:
@@ -144,7 +167,8 @@ def rounds_done(run_dir: Path) -> int:
 def _command(suite: dict, name: str, target: int) -> list[str]:
     run_dir = Path(suite["runs_dir"]) / name
     if (run_dir / "config.yaml").is_file():
-        return ["fedjax-rcl", "resume", str(run_dir), f"rounds={target}", "--no-progress"]
+        return ["fedjax-rcl", "resume", str(run_dir), *suite.get("overrides", ()),
+                f"rounds={target}", "--no-progress"]
     return ["fedjax-rcl", "train", suite["base"], *suite["runs"][name], f"rounds={target}",
             f"run_dir={run_dir}", "--no-progress"]
 

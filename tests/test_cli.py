@@ -5,6 +5,7 @@ import logging
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from fedjax_rcl.cli import main
@@ -156,6 +157,41 @@ def test_tiny_run_beats_chance(tmp_path, capsys):
     assert lines[-1].endswith("ETA 0m00s")
 
 
+def test_compiled_in_covers_every_compile_the_first_round_needs(tmp_path, toy):
+    """'compiled in N s' is the time until the first round can run: nothing compiles between
+    that line and the first metrics line, also with the representation analysis (its
+    programs) and a table in host memory (its client sampler), which used to compile there."""
+    import jax
+
+    import fedjax_rcl
+
+    events = []
+
+    class Compiles(logging.Handler):
+        def emit(self, record):
+            message = record.getMessage()
+            if message.startswith("Finished XLA compilation of "):
+                events.append(message.split(" of ", 1)[1].split(" in ", 1)[0])
+
+    def log(line):
+        if line.startswith("compiled in"):
+            events.append("compiled in")
+
+    handler, logger = Compiles(), logging.getLogger("jax._src.dispatch")
+    logger.addHandler(handler)
+    try:
+        with jax.log_compiles(True):
+            fedjax_rcl.train(None, "algorithm=moon", "client_states=host", "analysis_every=1",
+                             "analysis_images=40", "num_clients=4", "participation=0.5",
+                             "partition=iid", "local_epochs=1", "batch_size=20", "rounds=1",
+                             f"run_dir={tmp_path / 'run'}", dataset=toy, log=log,
+                             callbacks=(lambda record: events.append("first line"),))
+    finally:
+        logger.removeHandler(handler)
+    start = events.index("compiled in")
+    assert events[start + 1:events.index("first line")] == []
+
+
 def test_runs_record_their_commands_and_environment(tmp_path):
     """commands.txt starts with the command that created the run and gains one line per
     process; environment.jsonl says what each process ran on."""
@@ -197,6 +233,68 @@ def test_partition_prints_counts_as_integers_and_its_own_help_example(tmp_path, 
         main(["partition", "--help"])
     help_text = capsys.readouterr().out
     assert "rounds=" not in help_text and "alpha=0.05" in help_text
+
+
+def test_partition_writes_a_plot_only_when_asked(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert main(["partition", "num_clients=5", "partition=iid"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert "plot" not in out and list(tmp_path.glob("*.png")) == []
+    assert main(["partition", "num_clients=5", "partition=iid", "--plot", "split.png"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["plot"] == "split.png"
+    assert [p.name for p in tmp_path.glob("*.png")] == ["split.png"]
+    assert (tmp_path / "split.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_resume_of_a_missing_directory_says_so(tmp_path, capsys):
+    missing = tmp_path / "missing"
+    assert main(["resume", str(missing)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"fedjax-rcl: error: run_dir={str(missing)!r}: no such directory"]
+    assert not missing.exists()
+    # A directory that is there but holds no run keeps its own message.
+    assert main(["resume", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "not a fedjax-rcl run" in err[0]
+
+
+def _image_folder(root, blue):
+    """2 classes x 3 train and 1 test 16x16 PNGs: red and green random, blue ``blue(rng)``."""
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    for split, n in (("train", 3), ("test", 1)):
+        for c in ("a", "b"):
+            (root / split / c).mkdir(parents=True)
+            for i in range(n):
+                image = rng.integers(0, 256, (16, 16, 3), dtype=np.uint8)
+                image[..., 2] = blue(rng)
+                Image.fromarray(image).save(root / split / c / f"{i}.png")
+    return root
+
+
+def test_a_constant_channel_is_refused_before_training(tmp_path, capsys, monkeypatch):
+    """Normalising by a std of ~0 would make round 1's loss NaN: refused in one line."""
+    from fedjax_rcl.data import load_dataset
+
+    monkeypatch.setenv("FEDJAX_RCL_CACHE", str(tmp_path / "cache"))
+    folder = _image_folder(tmp_path / "flat", lambda rng: 7)  # blue constant
+    run = tmp_path / "run"
+    assert main(["train", f"dataset=imagefolder:{folder}", "algorithm=fedavg", "rounds=1",
+                 "num_clients=2", "participation=1", "partition=iid", "local_epochs=1",
+                 "batch_size=3", f"run_dir={run}", "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    assert err[0].startswith(f"fedjax-rcl: error: dataset='imagefolder:{folder}': channel 2 "
+                             "has std ")
+    assert "constant" in err[0]
+    assert not run.exists()  # refused while loading the data, before anything compiled
+    # Images that vary in every channel load.
+    varied = _image_folder(tmp_path / "varied",
+                           lambda rng: rng.integers(0, 256, (16, 16), dtype=np.uint8))
+    ds = load_dataset(f"imagefolder:{varied}")
+    assert len(ds.std) == 3 and min(ds.std) > 0.1
 
 
 def test_partition_plot_title_is_wrapped_inside_the_figure(tmp_path):

@@ -293,3 +293,34 @@ def test_a_suite_file_with_a_bad_table_key_is_refused_naming_it(tmp_path, capsys
     err = capsys.readouterr().err
     assert message in err, err
     assert not (tmp_path / "out").exists()
+
+
+def test_overrides_apply_to_every_run_are_recorded_and_unknown_keys_refused(tmp_path, capsys,
+                                                                           monkeypatch):
+    """``suite run SUITE key=value``: every run trains with the override (its config.yaml
+    records it), a resume is given it again; an unknown key or bad value stops the suite in
+    one line before any run starts."""
+    from fedjax_rcl.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    Path("base.yaml").write_text("dataset: digits\nnum_clients: 10\nparticipation: 0.2\n"
+                                 "local_epochs: 1\nbatch_size: 32\nalgorithm: fedavg\n")
+    Path("suite.yaml").write_text("base: base.yaml\nruns_dir: runs\nrounds: 1\nruns:\n"
+                                  "  a: [seed=0]\n  b: [seed=1, lr=0.2]\n")
+    assert main(["suite", "run", "suite.yaml", "lr=0.05", "momentum=0.5"]) == 0, \
+        capsys.readouterr().err
+    for name in ("a", "b"):
+        saved = Path("runs", name, "config.yaml").read_text()
+        assert "lr: 0.05" in saved and "momentum: 0.5" in saved  # the override wins
+        assert f"seed: {0 if name == 'a' else 1}" in saved
+    capsys.readouterr()
+    assert main(["suite", "run", "suite.yaml", "lr_typo=1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "lr_typo" in err[0]
+    assert main(["suite", "run", "suite.yaml", "lr=-1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "lr" in err[0]
+    # A resume gets the overrides again; one that would change results is refused by it.
+    spec = suite_tool.with_overrides(suite_tool.load_suite("suite.yaml"), ["lr=0.05"])
+    assert suite_tool._command({**spec, "rounds": 2}, "a", 2)[:4] == [
+        "fedjax-rcl", "resume", str(Path("runs", "a")), "lr=0.05"]
