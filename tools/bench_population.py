@@ -5,10 +5,11 @@ SCAFFOLD), 10 and 100 clients a round.
     python tools/bench_population.py [--populations 1000 10000 100000 1000000] \
         [--per-round 10 100] [--algorithms fedavg moon scaffold] [--rounds 3]
 
-Each case is its own process on synthetic 16x16 RGB images (``max(population, 50,000)``
-training images, an equal split: every client holds at least one), MOON's small CNN, one local
-epoch of batch ``min(8, client size)``, ``partition_version=2``. A case whose per-client table
-cannot be held stops before compiling with the run's own one-line message (``refused``).
+Each case is its own process on synthetic 16x16 RGB images, ``--samples`` per client (an
+equal split, so every population's clients hold the same data and a round's work is the same),
+MOON's small CNN, one local epoch of one batch, ``partition_version=2``. A case whose
+per-client table cannot be held stops before compiling with the run's own one-line message
+(``refused``).
 Reported: the seconds from the start of ``build`` to the first round's start (partition,
 data placement, table, compilation), the median seconds of the rounds after the first, the
 process's peak resident memory and the start-up line's description of the table.
@@ -37,7 +38,8 @@ def synthetic(n: int, size: int = 16):
                         (0.5, 0.5, 0.5), (0.29, 0.29, 0.29), True)
 
 
-def worker(algorithm: str, population: int, per_round: int, rounds: int) -> dict:
+def worker(algorithm: str, population: int, per_round: int, rounds: int,
+           samples: int) -> dict:
     import jax
     import numpy as np
 
@@ -46,11 +48,10 @@ def worker(algorithm: str, population: int, per_round: int, rounds: int) -> dict
     from fedjax_rcl.training import compile_program
     from fedjax_rcl.validation import ConfigError
 
-    n = max(population, 50_000)
-    data = synthetic(n)
+    data = synthetic(population * samples)
     cfg = Config(dataset="synthetic", model="cnn", algorithm=algorithm, num_clients=population,
                  participation=per_round / population, partition="iid", local_epochs=1,
-                 batch_size=min(8, n // population), partition_version=2, augment=False)
+                 batch_size=samples, partition_version=2, augment=False)
     row = {"algorithm": algorithm, "population": population, "per_round": per_round}
     t0 = time.perf_counter()
     try:
@@ -75,17 +76,18 @@ def worker(algorithm: str, population: int, per_round: int, rounds: int) -> dict
 def main():
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--worker", nargs=4, help=argparse.SUPPRESS)
+    ap.add_argument("--worker", nargs=5, help=argparse.SUPPRESS)
     ap.add_argument("--populations", type=int, nargs="+",
                     default=[1_000, 10_000, 100_000, 1_000_000])
     ap.add_argument("--per-round", type=int, nargs="+", default=[10, 100])
     ap.add_argument("--algorithms", nargs="+", default=["fedavg", "moon", "scaffold"])
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--samples", type=int, default=2, help="training images per client")
     ap.add_argument("--out", help="also write the rows as JSON lines here")
     args = ap.parse_args()
     if args.worker:
-        a, p, m, r = args.worker
-        print(json.dumps(worker(a, int(p), int(m), int(r))))
+        a, p, m, r, n = args.worker
+        print(json.dumps(worker(a, int(p), int(m), int(r), int(n))))
         return
     print(f"# {platform.processor() or platform.machine()}, python {platform.python_version()}")
     rows = []
@@ -95,7 +97,8 @@ def main():
                 if per_round > population:
                     continue
                 proc = subprocess.run([sys.executable, __file__, "--worker", algorithm,
-                                       str(population), str(per_round), str(args.rounds)],
+                                       str(population), str(per_round), str(args.rounds),
+                                       str(args.samples)],
                                       capture_output=True, text=True)
                 if proc.returncode:
                     print(proc.stderr[-1500:], file=sys.stderr)
