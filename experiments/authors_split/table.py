@@ -2,8 +2,9 @@
 
 Reads our runs on the authors' split (experiments/runs/authors_split_cpu/<algo>-a0.3-s<seed>,
 written by run.sh beside this script) and on our own draw (experiments/runs/fidelity_cpu for
-seed 0, experiments/runs/seeds_cpu for seeds 1 and 2: the same initial weights and client
-sampling per seed), and writes table.md and table.json beside this script: per algorithm and
+seed 0, experiments/runs/seeds_cpu for seeds 1 and 2: the same client sampling per seed, and the
+same initial weights for seeds 1 and 2 only; seed 0's pair drew them with another threefry
+layout, see README.md), and writes table.md and table.json beside this script: per algorithm and
 checkpoint round the raw accuracy, the per-round EMA (0.9) and the mean of the last 10 rounds,
 each side's mean ± sd over seeds and the paired difference authors' split - ours, with the
 verdict of experiments/authors_code/table.py (|mean| <= 2 sd of the paired differences: no
