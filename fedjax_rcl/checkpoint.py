@@ -129,6 +129,11 @@ class _quiet_logger:
         self._logger.setLevel(self._level)
 
 
+# The key of a checkpoint tree whose leaves' leading sizes vary between checkpoints (the sparse
+# client table, ``fedjax_rcl.engine.tables.SparseTable``): restored with the saved shapes.
+RAGGED = "sparse"
+
+
 def _before_added_fields(abstract):
     """``(older, back)``: a target like ``abstract`` without the ``ADDED_FIELDS`` that hold no
     array (the state as checkpoints written before those fields existed hold it), in a struct
@@ -236,6 +241,8 @@ class Checkpointer:
                                               meta=ocp.args.JsonRestore()))
             return out["state"], dict(out["meta"])
 
+        if isinstance(abstract, dict) and RAGGED in abstract:
+            abstract = self._ragged_shapes(step, abstract)
         try:
             return read(abstract)
         except ValueError:
@@ -244,6 +251,22 @@ class Checkpointer:
                 raise
             state, meta = read(older[0])
             return older[1](state), meta
+
+    def _ragged_shapes(self, step: int, abstract: dict) -> dict:
+        """``abstract`` with the leaves under its ``RAGGED`` key shaped as checkpoint ``step``
+        saved them (a table of the clients that have trained holds more rows later on)."""
+        saved = ocp.StandardCheckpointHandler().metadata(self.directory / str(step) / "state")
+        saved = dict(getattr(saved, "item_metadata", saved) or {})
+        if RAGGED not in saved:
+            return abstract
+        # Leaf by leaf in order (the metadata keeps lists where the state has tuples).
+        saved_leaves = jax.tree.leaves(saved[RAGGED])
+        leaves, treedef = jax.tree.flatten(abstract[RAGGED])
+        if len(saved_leaves) != len(leaves):
+            return abstract
+        shaped = [jax.ShapeDtypeStruct(tuple(m.shape), a.dtype)
+                  for m, a in zip(saved_leaves, leaves, strict=True)]
+        return {**abstract, RAGGED: jax.tree.unflatten(treedef, shaped)}
 
     def uncommit(self, step: int) -> None:
         """For the kill tests only: waits for checkpoint ``step`` and renames it back to an

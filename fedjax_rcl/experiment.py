@@ -50,6 +50,7 @@ from fedjax_rcl.engine.tables import (
     client_table,
     describe_table,
     table_memory_problem,
+    table_rows,
 )
 from fedjax_rcl.models import ModelFns, get_model, input_size_problem, model_fns
 from fedjax_rcl.models.base import with_precision
@@ -331,7 +332,8 @@ def build(cfg: CoreConfig, dataset: ImageDataset | None = None, *,
     reports = report_like(train_model, algorithm, params, model_state, dataset.image_shape,
                           cfg.batch_size, settings.num_views)
     row = jax.eval_shape(algorithm.init_client_state, params, model_state)
-    too_big = table_memory_problem(cfg.client_states, cfg.algorithm, row, cfg.num_clients)
+    rows = table_rows(cfg.client_states, cfg.num_clients, per_round, cfg.rounds)
+    too_big = table_memory_problem(cfg.client_states, cfg.algorithm, row, rows)
     if too_big:
         raise ConfigError([too_big])
     table = client_table(cfg.client_states, cfg.num_clients,
@@ -346,4 +348,4 @@ def build(cfg: CoreConfig, dataset: ImageDataset | None = None, *,
                       server_start=sopt.start, mesh=mesh,
                       layout=describe_layout(per_round, devices, in_parallel,
                                              conv_impl if built else "the given module's")
-                      + describe_table(cfg.client_states, row, cfg.num_clients))
+                      + describe_table(cfg.client_states, row, rows))

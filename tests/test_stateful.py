@@ -198,7 +198,8 @@ def test_table_memory_is_estimated_before_anything_is_built():
     assert line == ("client_states=device: moon's per-client state needs 12.00 GB (6,000 "
                     "clients x 1.00 MB) and host memory (a CPU device's) has 10.00 GB "
                     "available; use fewer clients or a smaller model, or client_states=host "
-                    "(it holds the table once, in host memory)")
+                    "(it holds the table once, in host memory), or client_states=sparse (rows "
+                    "only for the clients who train)")
     assert table_memory_problem("host", "moon", row, 6000, host_free=10**10) is None
     gpu = table_memory_problem("device", "moon", row, 6000, host_free=10**9, device_free=10**9)
     assert "device memory has 1.00 GB" in gpu and "client_states=host" not in gpu
@@ -216,3 +217,66 @@ def test_a_table_that_cannot_fit_stops_before_compiling_with_one_line(tmp_path, 
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "client_states=device: moon's per-client state needs" in err[0]
     assert not run.exists()
+
+
+def _run_metrics(run_dir):
+    import json
+
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    for r in rows:
+        for timing in ("elapsed_s", "round_s", "total_s"):
+            r.pop(timing)
+    return rows
+
+
+@pytest.mark.parametrize("algorithm", ["moon", "scaffold"])
+def test_sparse_table_matches_the_dense_one_holds_only_trained_rows_and_resumes(tmp_path,
+                                                                               algorithm):
+    """``client_states=sparse``: the same results as the host table (bitwise: the same rows
+    reach the same compiled round), rows only for the clients sampled so far (a client never
+    sampled reads the initial state), and a stop and resume with more rows in the later
+    checkpoint is exact."""
+    quiet = dict(progress=False, log=lambda s: None)
+    base = [*TINY, f"algorithm={algorithm}", "num_clients=40", "participation=0.05",
+            "checkpoint_every=2"]
+    host, sparse, cut = tmp_path / "host", tmp_path / "sparse", tmp_path / "cut"
+    train(load_config(None, [*base, "rounds=4", "client_states=host", f"run_dir={host}"]),
+          **quiet)
+    train(load_config(None, [*base, "rounds=4", "client_states=sparse", f"run_dir={sparse}"]),
+          **quiet)
+    assert _run_metrics(host) == _run_metrics(sparse)
+    exp, restored = load_run(sparse)
+    exp_host, restored_host = load_run(host)
+    table = exp.table
+    sampled = {c for r in _run_metrics(sparse) for c in r.get("clients", [])} or None
+    trained = set(table.trained().tolist())
+    assert table.count == len(trained) <= 4 * 2  # 2 clients a round, 4 rounds
+    if sampled is not None:
+        assert trained == sampled
+    for c in range(40):  # every row equals the dense table's, trained or not
+        chex.assert_trees_all_equal(
+            jax.tree.map(np.asarray, table.row(None, c)),
+            jax.tree.map(lambda t, c=c: np.asarray(t[c]), exp_host.table.rows))
+    chex.assert_trees_all_equal(restored.state["server"], restored_host.state["server"])
+    # Stop at round 2 (fewer rows saved), resume to 4: the uninterrupted run.
+    train(load_config(None, [*base, "rounds=2", "client_states=sparse", f"run_dir={cut}"]),
+          **quiet)
+    resume(cut, ["rounds=4"], **quiet)
+    assert _run_metrics(cut) == _run_metrics(sparse)
+    a, b = load_run(cut), load_run(sparse)
+    chex.assert_trees_all_equal(a[1].state, b[1].state)
+    assert a[0].table.count == table.count
+
+
+def test_sparse_table_is_estimated_by_the_clients_who_can_train():
+    from fedjax_rcl.engine.tables import describe_table, table_memory_problem, table_rows
+
+    row = {"w": jax.ShapeDtypeStruct((1000, 250), np.float32)}  # 1 MB a client
+    assert table_rows("sparse", 10**6, 10, 100) == 1000
+    assert table_rows("host", 10**6, 10, 100) == 10**6
+    assert table_memory_problem("sparse", "moon", row, 1000, host_free=10**10) is None
+    line = table_memory_problem("host", "moon", row, 10**6, host_free=10**10)
+    assert "or client_states=sparse (rows only for the clients who train)" in line
+    assert describe_table("sparse", row, 1000) == (
+        ", client states at most 1.00 GB in host memory (rows for the 1,000 clients who can "
+        "have trained)")

@@ -39,7 +39,7 @@ def synthetic(n: int, size: int = 16):
 
 
 def worker(algorithm: str, population: int, per_round: int, rounds: int,
-           samples: int) -> dict:
+           samples: int, where: str) -> dict:
     import jax
     import numpy as np
 
@@ -51,8 +51,10 @@ def worker(algorithm: str, population: int, per_round: int, rounds: int,
     data = synthetic(population * samples)
     cfg = Config(dataset="synthetic", model="cnn", algorithm=algorithm, num_clients=population,
                  participation=per_round / population, partition="iid", local_epochs=1,
-                 batch_size=samples, partition_version=2, augment=False)
-    row = {"algorithm": algorithm, "population": population, "per_round": per_round}
+                 batch_size=samples, partition_version=2, augment=False,
+                 client_states=where)
+    row = {"algorithm": algorithm, "population": population, "per_round": per_round,
+           "client_states": where}
     t0 = time.perf_counter()
     try:
         exp = build(cfg, data)
@@ -70,24 +72,27 @@ def worker(algorithm: str, population: int, per_round: int, rounds: int,
     return {**row, "startup_s": startup, "round_s": float(np.median(times[1:] or times)),
             "first_round_s": times[0], "table": exp.layout.split("client states ")[-1]
             if "client states" in exp.layout else "none",
+            "rows_held": int(getattr(exp.table, "count", 0)) if where == "sparse" else None,
             "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--worker", nargs=5, help=argparse.SUPPRESS)
+    ap.add_argument("--worker", nargs=6, help=argparse.SUPPRESS)
     ap.add_argument("--populations", type=int, nargs="+",
                     default=[1_000, 10_000, 100_000, 1_000_000])
     ap.add_argument("--per-round", type=int, nargs="+", default=[10, 100])
     ap.add_argument("--algorithms", nargs="+", default=["fedavg", "moon", "scaffold"])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--samples", type=int, default=2, help="training images per client")
+    ap.add_argument("--client-states", default="device", choices=["device", "host", "sparse"],
+                    help="where a stateful algorithm's per-client table lives")
     ap.add_argument("--out", help="also write the rows as JSON lines here")
     args = ap.parse_args()
     if args.worker:
-        a, p, m, r, n = args.worker
-        print(json.dumps(worker(a, int(p), int(m), int(r), int(n))))
+        a, p, m, r, n, where = args.worker
+        print(json.dumps(worker(a, int(p), int(m), int(r), int(n), where)))
         return
     print(f"# {platform.processor() or platform.machine()}, python {platform.python_version()}")
     rows = []
@@ -98,7 +103,7 @@ def main():
                     continue
                 proc = subprocess.run([sys.executable, __file__, "--worker", algorithm,
                                        str(population), str(per_round), str(args.rounds),
-                                       str(args.samples)],
+                                       str(args.samples), args.client_states],
                                       capture_output=True, text=True)
                 if proc.returncode:
                     print(proc.stderr[-1500:], file=sys.stderr)
@@ -112,7 +117,8 @@ def main():
     print("|---|---|---|---|---|---|---|")
     for r in rows:
         state = (f"refused: {r['refused'].split(': ', 1)[-1][:60]}..." if "refused" in r
-                 else r["table"])
+                 else r["table"] + (f"; {r['rows_held']:,} rows held after {args.rounds} rounds"
+                                    if r.get("rows_held") is not None else ""))
         print(f"| {r['algorithm']} | {r['population']:,} | {r['per_round']} | "
               f"{r['startup_s']:.1f} | {r.get('round_s', float('nan')):.2f} | "
               f"{r['peak_rss_gb']:.2f} | {state} |")

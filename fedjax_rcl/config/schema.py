@@ -191,7 +191,10 @@ class CoreConfig:
       clients_in_parallel: clients trained side by side within a round; 0: chosen per model
         and backend (all at once, or one at a time where that is faster).
       client_states: where the per-client state table (MOON's previous local models) lives:
-        on the device, or in host memory.
+        on the device, in host memory, or ``sparse``: in host memory with rows only for the
+        clients that have trained (a client never sampled reads the initial state), so that
+        its memory grows with the clients who trained, not with the population. The table's
+        size is estimated before anything is built, and one that cannot be held is refused.
       norm: the normalisation of the models that offer a choice (``twin`` needs a two-view
         algorithm).
       run_dir: the run directory; null: ``runs/<dataset>-<algorithm>-<time>-<4 hex>``.

@@ -34,7 +34,7 @@ from fedjax_rcl.types import ClientState, Metrics
 # ``advance(state, n) -> (state, metrics)``: ``n`` rounds, metrics as NumPy ``[n, ...]``.
 Advance = Callable[[ServerState, int], tuple[ServerState, dict]]
 
-CLIENT_TABLES = ("device", "host")
+CLIENT_TABLES = ("device", "host", "sparse")
 
 
 class ClientTable(Protocol):
@@ -156,7 +156,7 @@ class HostTable:
                 capacity: int) -> Advance:
         del capacity  # one round per call: the rows of the next round depend on this one's
         m = self.per_round
-        rows = put_replicated(jax.tree.map(lambda t: t[:m], self.rows), self.mesh)
+        rows = put_replicated(self._gather(np.arange(m)), self.mesh)
         one = jax.jit(round_rows, donate_argnums=0).lower(state, data, rows).compile()
         sampler = jax.jit(lambda key, r: sample_clients(key, r, self.num_clients, m))
         sampler.lower(state.key, state.round).compile()  # now, not in the first round
@@ -164,17 +164,24 @@ class HostTable:
         def advance(state: ServerState, n: int):
             history = []
             for _ in range(n):  # host memory is touched between rounds, by design
-                ids = to_host(sampler(state.key, state.round))
-                rows = put_replicated(jax.tree.map(lambda t, ids=ids: t[ids], self.rows),
-                                      self.mesh)
+                ids = np.asarray(to_host(sampler(state.key, state.round)))
+                rows = put_replicated(self._gather(ids), self.mesh)
                 state, metrics, new_rows = one(state, data, rows)
-                for table, new in zip(jax.tree.leaves(self.rows),
-                                      jax.tree.leaves(to_host(new_rows)), strict=True):
-                    table[ids] = new
+                self._scatter(ids, to_host(new_rows))
                 history.append(to_host(metrics))
             return state, jax.tree.map(lambda *xs: np.stack(xs), *history)
 
         return advance
+
+    def _gather(self, ids: np.ndarray):
+        """The rows of clients ``ids`` (host arrays, leaves ``[len(ids), ...]``)."""
+        return jax.tree.map(lambda t: t[ids], self.rows)
+
+    def _scatter(self, ids: np.ndarray, new_rows) -> None:
+        """Writes the clients' new rows back."""
+        for table, new in zip(jax.tree.leaves(self.rows), jax.tree.leaves(new_rows),
+                              strict=True):
+            table[ids] = new
 
     def row(self, state: ServerState, client: int) -> ClientState:
         del state
@@ -194,6 +201,87 @@ class HostTable:
 
     def with_server(self, tree, server):
         return {**tree, "server": server}
+
+
+class SparseTable(HostTable):
+    """The table in host memory with rows only for the clients that have trained: a client
+    never sampled reads ``initial`` (the algorithm's state before training), so memory grows
+    with the clients who trained, not with the population (a million clients, a few thousand
+    sampled over a run). ``slot[c]`` is client ``c``'s row in ``store`` (leaves
+    ``[capacity, ...]``, grown by doubling), -1 before it first trains. The same results as
+    the dense tables; a checkpoint holds the trained clients' ids and rows (``{"server",
+    "sparse": {"ids", "rows"}}``), whose count varies from one checkpoint to the next."""
+
+    name = "sparse"
+
+    def __init__(self, num_clients: int, per_round: int, mesh: Mesh | None = None):
+        super().__init__(num_clients, per_round, mesh)
+        self.slot = np.full(num_clients, -1, np.int64)
+        self.count = 0
+        self.initial: Any = ()
+        self.store: Any = ()
+
+    def place(self, state: ServerState, row: ClientState) -> ServerState:
+        self.initial = jax.tree.map(np.asarray, jax.device_get(row))
+        self.slot[:] = -1
+        self.count = 0
+        self.store = _repeat(row, 0)
+        return put_replicated(state, self.mesh)
+
+    def _gather(self, ids: np.ndarray):
+        slots = self.slot[ids]
+        fresh = slots < 0
+
+        def take(store, init):
+            out = store[np.maximum(slots, 0)] if store.shape[0] else np.empty(
+                (len(ids), *init.shape), init.dtype)
+            out[fresh] = init
+            return out
+
+        return jax.tree.map(take, self.store, self.initial)
+
+    def _scatter(self, ids: np.ndarray, new_rows) -> None:
+        fresh = ids[self.slot[ids] < 0]
+        need = self.count + len(fresh)
+        capacity = jax.tree.leaves(self.store)[0].shape[0] if jax.tree.leaves(self.store) else 0
+        if need > capacity:  # grow by doubling: amortised O(1) a row
+            grown = max(need, 2 * capacity, 16)
+            self.store = jax.tree.map(
+                lambda t: np.concatenate([t, np.zeros((grown - t.shape[0], *t.shape[1:]),
+                                                      t.dtype)]), self.store)
+        self.slot[fresh] = np.arange(self.count, need)
+        self.count = need
+        for table, new in zip(jax.tree.leaves(self.store), jax.tree.leaves(new_rows),
+                              strict=True):
+            table[self.slot[ids]] = new
+
+    def row(self, state: ServerState, client: int) -> ClientState:
+        del state
+        return jax.tree.map(jax.numpy.asarray, jax.tree.map(
+            lambda t: t[0], self._gather(np.asarray([client]))))
+
+    def trained(self) -> np.ndarray:
+        """The ids of the clients that have trained, in the order their rows were made."""
+        ids = np.flatnonzero(self.slot >= 0)
+        return ids[np.argsort(self.slot[ids])]
+
+    def checkpoint(self, state: ServerState):
+        # First the initial row under id -1 (Orbax saves no empty array: at round 0 no client
+        # has trained), then the trained clients' rows in slot order.
+        n = self.count
+        return {"server": state, "sparse": {
+            "ids": np.concatenate([[-1], self.trained()]).astype(np.int64),
+            "rows": jax.tree.map(lambda t, init: np.concatenate([init[None], t[:n]]),
+                                 self.store, self.initial)}}
+
+    def restore(self, tree) -> ServerState:
+        ids = np.asarray(tree["sparse"]["ids"], np.int64)[1:]
+        self.slot[:] = -1
+        self.slot[ids] = np.arange(len(ids))
+        self.count = len(ids)
+        self.store = jax.tree.map(lambda t, init: np.array(t[1:], dtype=init.dtype),
+                                  tree["sparse"]["rows"], self.initial)
+        return tree["server"]
 
 
 def available_memory() -> int:
@@ -229,13 +317,20 @@ def table_bytes(row: ClientState, num_clients: int) -> tuple[int, int]:
     return row_bytes, row_bytes * num_clients
 
 
+def table_rows(where: str, num_clients: int, per_round: int, rounds: int) -> int:
+    """The rows a table holds at most: every client's (dense tables), or one for each client
+    that can have trained by round ``rounds`` (``sparse``)."""
+    return min(num_clients, per_round * rounds) if where == "sparse" else num_clients
+
+
 def table_memory_problem(where: str, algorithm: str, row: ClientState, num_clients: int, *,
                          host_free: int | None = None,
                          device_free: int | None = None) -> str | None:
     """One line saying that the per-client table cannot be held where ``client_states``
     puts it, with what it needs and what there is (None when it fits). Checked before anything
     is built or compiled. On a CPU a device table is held twice while it is placed (the host
-    copy it is made from and the device's), a host table once."""
+    copy it is made from and the device's), a host table once. ``num_clients``: the rows it
+    holds at most (``table_rows``)."""
     row_bytes, total = table_bytes(row, num_clients)
     if not total:
         return None
@@ -250,21 +345,30 @@ def table_memory_problem(where: str, algorithm: str, row: ClientState, num_clien
         return None
     hint = (", or client_states=host (it holds the table once, in host memory)"
             if where == "device" and total <= 0.9 * host_free else "")
+    if where != "sparse":
+        hint += ", or client_states=sparse (rows only for the clients who train)"
+    what = "clients" if where != "sparse" else "clients who can have trained"
     return (f"client_states={where}: {algorithm}'s per-client state needs {_gb(need)} "
-            f"({num_clients:,} clients x {_gb(row_bytes)}) and {place} has {_gb(have)} "
+            f"({num_clients:,} {what} x {_gb(row_bytes)}) and {place} has {_gb(have)} "
             f"available; use fewer clients or a smaller model{hint}")
 
 
 def describe_table(where: str, row: ClientState, num_clients: int) -> str:
-    """``"client states 1.20 GB on the device"`` for the start-up line ("" without state)."""
+    """``"client states 1.20 GB on the device"`` for the start-up line ("" without state);
+    ``sparse``: at most that much, in host memory, ``num_clients`` being ``table_rows``."""
     _, total = table_bytes(row, num_clients)
-    return f", client states {_gb(total)} on the {where}" if total else ""
+    if not total:
+        return ""
+    if where == "sparse":
+        return (f", client states at most {_gb(total)} in host memory (rows for the "
+                f"{num_clients:,} clients who can have trained)")
+    return f", client states {_gb(total)} on the {where}"
 
 
 def client_table(where: str, num_clients: int, per_round: int,
                  mesh: Mesh | None = None) -> ClientTable:
-    """The strategy ``client_states=where`` names (``device`` or ``host``)."""
-    tables = {"device": DeviceTable, "host": HostTable}
+    """The strategy ``client_states=where`` names (``device``, ``host`` or ``sparse``)."""
+    tables = {"device": DeviceTable, "host": HostTable, "sparse": SparseTable}
     if where not in tables:
         raise ValueError(f"client_states={where!r}: allowed: {', '.join(CLIENT_TABLES)}")
     return tables[where](num_clients, per_round, mesh)
