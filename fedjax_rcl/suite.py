@@ -224,31 +224,16 @@ def run(suite: dict, chunk: int, only: list[str] | None = None) -> None:
             raise TrainingError(f"{name}: exit status {status}; stopping the suite")
 
 
-def _ranks(values) -> list[float]:
-    """1-based ranks, ties given their average rank."""
-    order = sorted(range(len(values)), key=lambda i: values[i])
-    ranks = [0.0] * len(values)
-    i = 0
-    while i < len(order):
-        j = i
-        while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
-            j += 1
-        for k in range(i, j + 1):
-            ranks[order[k]] = (i + j) / 2 + 1
-        i = j + 1
-    return ranks
-
-
 def spearman(x, y) -> float:
-    """Spearman's rank correlation of two equally long sequences: the Pearson correlation of
-    their ranks (ties given their average rank)."""
-    rx, ry = _ranks(list(x)), _ranks(list(y))
-    n = len(rx)
-    mx, my = sum(rx) / n, sum(ry) / n
-    cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry, strict=True))
-    sx = sum((a - mx) ** 2 for a in rx) ** 0.5
-    sy = sum((b - my) ** 2 for b in ry) ** 0.5
-    return cov / (sx * sy) if sx and sy else float("nan")
+    """Spearman's rank correlation of two equally long sequences (SciPy's, ties given their
+    average rank); NaN when either is constant."""
+    import warnings
+
+    from scipy import stats
+
+    with warnings.catch_warnings():  # a constant input: SciPy warns and returns NaN
+        warnings.simplefilter("ignore")
+        return float(stats.spearmanr(list(x), list(y)).statistic)
 
 
 def _paper_lines(suite: dict, ours: dict[str, float], last: int) -> list[str]:

@@ -22,8 +22,8 @@ RESUME_SAFE_KEYS = ("rounds", "checkpoint_every", "keep_checkpoints", "eval_batc
 
 
 # Settings added after runs existed, at their default (what a run's config without them
-# means): left out of the digest while they hold it, so that the checkpoints written before each
-# existed -- by now every checkpoint written so far -- still resume. A new setting joins them.
+# means): left out of the digest while they hold it, so that checkpoints written before a
+# setting existed still resume. A new setting joins them.
 DIGEST_NEUTRAL_DEFAULTS = {"mfcl.bn_statistics": "running", "init_threefry_partitionable": False,
                            "client_eval": False, "precision": "fp32", "seeds": [],
                            "runs_in_parallel": 1, "sweep.key": None, "sweep.values": [],

@@ -418,8 +418,8 @@ def resolve_conv_impl(conv_impl: str, platform: str | None = None, *,
       side by side under ``vmap``, each with its own weights): ``"patches"``. XLA lowers a
       convolution ``vmap``-ed over its weights to a grouped convolution, one group per client,
       which the GPU's convolution library runs far below a dense one; the patch formulation
-      makes the client axis the batch of plain matrix products (on an H200, pfl-research's
-      CIFAR-10 round of 50 clients side by side ran 2.36x faster so, BENCHMARKS.md);
+      makes the client axis the batch of plain matrix products (BENCHMARKS.md, "Clients side
+      by side on a GPU", measures the difference);
     * otherwise (GPU one model at a time, TPU): ``"native"``, XLA's own convolution.
 
     ``platform``: default JAX's backend.
