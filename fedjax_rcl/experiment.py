@@ -47,6 +47,7 @@ from fedjax_rcl.engine.sharding import client_mesh, put_replicated
 from fedjax_rcl.engine.tables import (
     Advance,
     ClientTable,
+    choose_table,
     client_table,
     describe_table,
     table_memory_problem,
@@ -332,6 +333,8 @@ def build(cfg: CoreConfig, dataset: ImageDataset | None = None, *,
     reports = report_like(train_model, algorithm, params, model_state, dataset.image_shape,
                           cfg.batch_size, settings.num_views)
     row = jax.eval_shape(algorithm.init_client_state, params, model_state)
+    if cfg.client_states == "auto":  # resolved in the config, which the run records
+        cfg.client_states = choose_table(row, cfg.num_clients, per_round, cfg.rounds)
     rows = table_rows(cfg.client_states, cfg.num_clients, per_round, cfg.rounds)
     too_big = table_memory_problem(cfg.client_states, cfg.algorithm, row, rows)
     if too_big:

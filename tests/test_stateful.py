@@ -280,3 +280,30 @@ def test_sparse_table_is_estimated_by_the_clients_who_can_train():
     assert describe_table("sparse", row, 1000) == (
         ", client states at most 1.00 GB in host memory (rows for the 1,000 clients who can "
         "have trained)")
+
+
+def test_auto_places_the_table_by_its_estimate_and_the_run_records_the_choice(tmp_path,
+                                                                             monkeypatch):
+    """``client_states=auto``: the whole table on the device where it fits, else sparse; the
+    start-up line says which, config.yaml records it, and a resume keeps it."""
+    from fedjax_rcl.engine import tables
+
+    quiet = dict(progress=False)
+    base = [*TINY, "algorithm=moon", "num_clients=40", "participation=0.05", "rounds=2",
+            "client_states=auto"]
+    lines: list[str] = []
+    roomy = tmp_path / "roomy"
+    train(load_config(None, [*base, f"run_dir={roomy}"]), log=lines.append, **quiet)
+    assert "client_states: device" in (roomy / "config.yaml").read_text()
+    assert any("client states" in x and "on the device" in x for x in lines)
+    # 40 MOON rows do not fit twice in the memory left, the 4 that can train do.
+    row_bytes = tables.table_bytes(load_run(roomy)[0].table.row(load_run(roomy)[1].state, 0),
+                                   1)[0]
+    monkeypatch.setattr(tables, "available_memory", lambda: int(12 * row_bytes))
+    lines.clear()
+    tight = tmp_path / "tight"
+    train(load_config(None, [*base, f"run_dir={tight}"]), log=lines.append, **quiet)
+    assert "client_states: sparse" in (tight / "config.yaml").read_text()
+    assert any("client states at most" in x for x in lines)
+    resume(tight, ["rounds=3"], progress=False, log=lambda s: None)
+    assert load_run(tight)[0].table.name == "sparse"

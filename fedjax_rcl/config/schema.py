@@ -193,8 +193,10 @@ class CoreConfig:
       client_states: where the per-client state table (MOON's previous local models) lives:
         on the device, in host memory, or ``sparse``: in host memory with rows only for the
         clients that have trained (a client never sampled reads the initial state), so that
-        its memory grows with the clients who trained, not with the population. The table's
-        size is estimated before anything is built, and one that cannot be held is refused.
+        its memory grows with the clients who trained, not with the population; ``auto``:
+        ``device`` where the whole table fits, else ``sparse``, chosen from an estimate made
+        before anything is built and recorded in the run's config (its resume keeps it). A
+        table that cannot be held is refused.
       norm: the normalisation of the models that offer a choice (``twin`` needs a two-view
         algorithm).
       run_dir: the run directory; null: ``runs/<dataset>-<algorithm>-<time>-<4 hex>``.

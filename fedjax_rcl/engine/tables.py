@@ -34,7 +34,7 @@ from fedjax_rcl.types import ClientState, Metrics
 # ``advance(state, n) -> (state, metrics)``: ``n`` rounds, metrics as NumPy ``[n, ...]``.
 Advance = Callable[[ServerState, int], tuple[ServerState, dict]]
 
-CLIENT_TABLES = ("device", "host", "sparse")
+CLIENT_TABLES = ("device", "host", "sparse", "auto")
 
 
 class ClientTable(Protocol):
@@ -353,6 +353,17 @@ def table_memory_problem(where: str, algorithm: str, row: ClientState, num_clien
             f"available; use fewer clients or a smaller model{hint}")
 
 
+def choose_table(row: ClientState, num_clients: int, per_round: int, rounds: int, *,
+                 host_free: int | None = None, device_free: int | None = None) -> str:
+    """``client_states=auto``: ``device`` when the whole table fits there (the fastest: rows
+    move inside the compiled program), else ``sparse`` (rows only for the clients who train,
+    in host memory; refused later in one line if even that cannot be held)."""
+    if table_memory_problem("device", "", row, num_clients, host_free=host_free,
+                            device_free=device_free) is None:
+        return "device"
+    return "sparse"
+
+
 def describe_table(where: str, row: ClientState, num_clients: int) -> str:
     """``"client states 1.20 GB on the device"`` for the start-up line ("" without state);
     ``sparse``: at most that much, in host memory, ``num_clients`` being ``table_rows``."""
@@ -367,7 +378,8 @@ def describe_table(where: str, row: ClientState, num_clients: int) -> str:
 
 def client_table(where: str, num_clients: int, per_round: int,
                  mesh: Mesh | None = None) -> ClientTable:
-    """The strategy ``client_states=where`` names (``device``, ``host`` or ``sparse``)."""
+    """The strategy ``client_states=where`` names (``device``, ``host`` or ``sparse``;
+    ``auto`` is resolved by ``choose_table`` before)."""
     tables = {"device": DeviceTable, "host": HostTable, "sparse": SparseTable}
     if where not in tables:
         raise ValueError(f"client_states={where!r}: allowed: {', '.join(CLIENT_TABLES)}")
