@@ -497,7 +497,7 @@ def _wall(hit: Sequence[Run], r: int) -> str:
     if not got:
         return "—"
     mean, _ = _mean_sd(got)
-    return f"{mean / 3600:.2f} h" if mean >= 3600 else f"{mean:.0f} s"
+    return f"{mean / 60:.1f} min"
 
 
 def _seeds_note(runs: Sequence[Run], at: Sequence[int]) -> str:

@@ -422,8 +422,8 @@ def test_tables_as_csv_and_json_with_wall_time_variant_labels_and_a_few_seeds_no
     text = (out / "report.md").read_text()
     assert "| fedrcl (released hard-mined loss) |" in text
     assert "| fedrcl (paper's equations) |" in text
-    assert "| fedrcl (released hard-mined loss) | 30 s |" in text  # mean of 30 and 31: 30.5
-    assert "| fedrcl (paper's equations) | 1.11 h |" in text
+    assert "| fedrcl (released hard-mined loss) | 0.5 min |" in text  # 30 and 31 s: 30.5
+    assert "| fedrcl (paper's equations) | 66.7 min |" in text
     assert "**Note: some cells rest on 1 seed**" in text
     data = json.loads((out / "report.json").read_text())
     hard = next(r for r in data if r["method"] == "fedrcl (released hard-mined loss)")
