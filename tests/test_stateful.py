@@ -184,7 +184,8 @@ def test_a_run_written_before_algorithm_state_existed_resumes(tmp_path):
                              "local_epochs=1", "rounds=3", f"run_dir={fresh}"]), **quiet)
     a, b = load_run(old)[1], load_run(fresh)[1]
     assert a.step == b.step == 3 and cfg.algorithm == "fedavg"
-    chex.assert_trees_all_close(a.state.params, b.state.params, rtol=1e-4, atol=1e-5)
+    # Rounds 1-2 of the archived run were computed on another machine with other XLA flags.
+    chex.assert_trees_all_close(a.state.params, b.state.params, rtol=1e-3, atol=1e-4)
 
 
 def test_table_memory_is_estimated_before_anything_is_built():
