@@ -138,7 +138,8 @@ class Experiment:
             self.model, self.dataset, self.data, self.local_update, self.server_start,
             self.table.row, num_clients=self.cfg.num_clients,
             clients_per_round=clients_per_round(self.cfg.num_clients, self.cfg.participation),
-            rounds=self.cfg.rounds, num_images=num_images)
+            rounds=self.cfg.rounds, num_images=num_images,
+            sampling=self.cfg.sampling_version)
 
 
 def make_partition(cfg: CoreConfig, labels: np.ndarray) -> list[np.ndarray]:
@@ -325,7 +326,8 @@ def build(cfg: CoreConfig, dataset: ImageDataset | None = None, *,
                                 update_server_state=algorithm.update_server_state,
                                 participation=cfg.participation,
                                 aggregation=cfg.aggregation, mesh=mesh,
-                                clients_in_parallel=in_parallel)
+                                clients_in_parallel=in_parallel,
+                                sampling=cfg.sampling_version)
         return TrainingProgram(algorithm, settings, sopt, local_update, round_rows)
 
     program = program_for(cfg)
@@ -340,7 +342,8 @@ def build(cfg: CoreConfig, dataset: ImageDataset | None = None, *,
     if too_big:
         raise ConfigError([too_big])
     table = client_table(cfg.client_states, cfg.num_clients,
-                         clients_per_round(cfg.num_clients, cfg.participation), mesh)
+                         clients_per_round(cfg.num_clients, cfg.participation), mesh,
+                         cfg.sampling_version)
     state = init_server_state(params, model_state, algorithm, sopt, root, reports)
     state = table.place(jax.device_get(state), algorithm.init_client_state(params, model_state))
     return Experiment(cfg=cfg, dataset=dataset, parts=parts, model=model, algorithm=algorithm,

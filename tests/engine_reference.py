@@ -16,7 +16,8 @@ def sequential_local_updates(exp, state):
       as NumPy trees.
     """
     m = clients_per_round(exp.cfg.num_clients, exp.cfg.participation)
-    clients = np.asarray(sample_clients(state.key, state.round, exp.cfg.num_clients, m))
+    clients = np.asarray(sample_clients(state.key, state.round, exp.cfg.num_clients, m,
+                                        exp.cfg.sampling_version))
     keys = client_keys(state.key, state.round, jnp.asarray(clients))
     step = jax.jit(exp.local_update)
     results = []

@@ -222,6 +222,45 @@ def test_sampling_depends_only_on_seed_round_client():
     np.testing.assert_array_equal(k1[1], k2[0])  # a client's key ignores who else was sampled
 
 
+def test_floyd_sampler_is_uniform_over_subsets_and_keyed_by_round():
+    """``sampling_version=2``: distinct ids in range, the same for the same (seed, round), and
+    every m-subset equally likely (5 binomial standard errors over 20,000 rounds)."""
+    import itertools
+    import math
+
+    key = jax.random.PRNGKey(5)
+    n, m, trials = 6, 3, 20000
+    draws = np.asarray(jax.jit(jax.vmap(
+        lambda r: sample_clients(key, r, n, m, 2)))(jnp.arange(trials, dtype=jnp.int32)))
+    assert draws.dtype == np.int32 and draws.min() >= 0 and draws.max() < n
+    assert all(len(set(d)) == m for d in draws.tolist())
+    freq = {}
+    for d in draws.tolist():
+        freq[frozenset(d)] = freq.get(frozenset(d), 0) + 1
+    p = 1 / math.comb(n, m)
+    assert set(freq) == {frozenset(c) for c in itertools.combinations(range(n), m)}
+    for f in freq.values():
+        assert abs(f / trials - p) <= 5 * math.sqrt(p * (1 - p) / trials), (f, p)
+    a = sample_clients(key, jnp.int32(7), 10**6, 100, 2)
+    assert len(set(np.asarray(a).tolist())) == 100
+    np.testing.assert_array_equal(a, sample_clients(key, jnp.int32(7), 10**6, 100, 2))
+    assert not np.array_equal(a, sample_clients(key, jnp.int32(8), 10**6, 100, 2))
+    with pytest.raises(ValueError, match="sampling version 3"):
+        sample_clients(key, jnp.int32(0), 10, 2, 3)
+
+
+def test_the_round_with_the_floyd_sampler_equals_sequential_clients(toy):
+    exp = build(_cfg(sampling_version=2, num_clients=8, participation=0.5), toy)
+    expected_params, clients, losses = sequential_round(exp, exp.state)
+    new_state, metrics = jax.jit(exp.run_round)(exp.state, exp.data)
+    np.testing.assert_array_equal(np.asarray(metrics["clients"]), clients)
+    np.testing.assert_allclose(np.asarray(metrics["client_loss"]), losses, rtol=1e-5, atol=1e-6)
+    chex.assert_trees_all_close(new_state.params, expected_params, rtol=1e-5, atol=1e-5)
+    v1 = build(_cfg(num_clients=8, participation=0.5), toy)
+    _, m1 = jax.jit(v1.run_round)(v1.state, v1.data)
+    assert not np.array_equal(np.asarray(m1["clients"]), clients)  # another draw
+
+
 def test_learning_rate_schedule_decays_per_round_and_epoch(toy):
     exp = build(_cfg(lr=0.1, lr_decay=0.5), toy)
     lr = exp.settings.lr_fn

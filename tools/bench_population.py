@@ -39,7 +39,7 @@ def synthetic(n: int, size: int = 16):
 
 
 def worker(algorithm: str, population: int, per_round: int, rounds: int,
-           samples: int, where: str) -> dict:
+           samples: int, where: str, sampling: int) -> dict:
     import jax
     import numpy as np
 
@@ -52,9 +52,9 @@ def worker(algorithm: str, population: int, per_round: int, rounds: int,
     cfg = Config(dataset="synthetic", model="cnn", algorithm=algorithm, num_clients=population,
                  participation=per_round / population, partition="iid", local_epochs=1,
                  batch_size=samples, partition_version=2, augment=False,
-                 client_states=where)
+                 client_states=where, sampling_version=sampling)
     row = {"algorithm": algorithm, "population": population, "per_round": per_round,
-           "client_states": where}
+           "client_states": where, "sampling_version": sampling}
     t0 = time.perf_counter()
     try:
         exp = build(cfg, data)
@@ -79,7 +79,7 @@ def worker(algorithm: str, population: int, per_round: int, rounds: int,
 def main():
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--worker", nargs=6, help=argparse.SUPPRESS)
+    ap.add_argument("--worker", nargs=7, help=argparse.SUPPRESS)
     ap.add_argument("--populations", type=int, nargs="+",
                     default=[1_000, 10_000, 100_000, 1_000_000])
     ap.add_argument("--per-round", type=int, nargs="+", default=[10, 100])
@@ -88,11 +88,13 @@ def main():
     ap.add_argument("--samples", type=int, default=2, help="training images per client")
     ap.add_argument("--client-states", default="device", choices=["device", "host", "sparse"],
                     help="where a stateful algorithm's per-client table lives")
+    ap.add_argument("--sampling-version", type=int, default=1, choices=[1, 2],
+                    help="the client sampler (2: cost independent of the population)")
     ap.add_argument("--out", help="also write the rows as JSON lines here")
     args = ap.parse_args()
     if args.worker:
-        a, p, m, r, n, where = args.worker
-        print(json.dumps(worker(a, int(p), int(m), int(r), int(n), where)))
+        a, p, m, r, n, where, sampling = args.worker
+        print(json.dumps(worker(a, int(p), int(m), int(r), int(n), where, int(sampling))))
         return
     print(f"# {platform.processor() or platform.machine()}, python {platform.python_version()}")
     rows = []
@@ -103,7 +105,8 @@ def main():
                     continue
                 proc = subprocess.run([sys.executable, __file__, "--worker", algorithm,
                                        str(population), str(per_round), str(args.rounds),
-                                       str(args.samples), args.client_states],
+                                       str(args.samples), args.client_states,
+                                       str(args.sampling_version)],
                                       capture_output=True, text=True)
                 if proc.returncode:
                     print(proc.stderr[-1500:], file=sys.stderr)

@@ -148,6 +148,7 @@ def validate(cfg: CoreConfig, *, check_data: bool = True) -> None:
     """
     # Imported here: these lists live with their modules, and importing them pulls in JAX.
     from fedjax_rcl.data.partitioning import PARTITIONS, VERSIONS
+    from fedjax_rcl.engine.round import SAMPLING_VERSIONS
     from fedjax_rcl.engine.tables import CLIENT_TABLES
     from fedjax_rcl.server import AGGREGATIONS
 
@@ -172,6 +173,7 @@ def validate(cfg: CoreConfig, *, check_data: bool = True) -> None:
            cfg.participation, "must be in (0, 1]")
     one_of(p, "partition", cfg.partition, PARTITIONS)
     one_of(p, "partition_version", cfg.partition_version, VERSIONS)
+    one_of(p, "sampling_version", cfg.sampling_version, SAMPLING_VERSIONS)
     if cfg.partition == "file" and cfg.split_file is None:
         p.append("split_file=None: partition=file needs the path of a client split file")
     elif cfg.partition != "file" and cfg.split_file is not None:

@@ -33,7 +33,8 @@ DIGEST_NEUTRAL_DEFAULTS = {"mfcl.bn_statistics": "running", "init_threefry_parti
                            "mfcl.probe_tol": 1e-5, "mfcl.probe_controls": True,
                            "mfcl.tn_variance": "pooled", "mfcl.probe_projection": False,
                            "split_file": None, "transforms": "fedrcl",
-                           "partition_version": 1, "drop_last": False}
+                           "partition_version": 1, "drop_last": False,
+                           "sampling_version": 1}
 
 
 def flat_keys(d: dict, prefix: str = "") -> dict:

@@ -66,7 +66,7 @@ def analysis_subset(labels, num_images: int) -> np.ndarray:
 
 
 def make_analysis(model, dataset, data, local_update, server_start, row, *, num_clients: int,
-                  clients_per_round: int, rounds: int, num_images: int):
+                  clients_per_round: int, rounds: int, num_images: int, sampling: int = 1):
     """Builds ``analyze(state) -> dict`` of metrics at ``state`` (before the round
     ``state.round`` runs); ``analyze.compile_ahead(state)`` compiles its programs without
     running them, so that a run's compile time includes them.
@@ -95,7 +95,7 @@ def make_analysis(model, dataset, data, local_update, server_start, row, *, num_
 
     @jax.jit
     def local_model(state, data, client_row):
-        client = sample_clients(state.key, state.round, num_clients, m)[0]
+        client = sample_clients(state.key, state.round, num_clients, m, sampling)[0]
         key = client_keys(state.key, state.round, client[None])[0]
         start = server_start(state.params, state.opt_state)
         params, model_state, _, _ = local_update(
@@ -109,14 +109,14 @@ def make_analysis(model, dataset, data, local_update, server_start, row, *, num_
         # Over a fixed range (this process's last round) with the later rounds masked out, so
         # that every analysis reuses one compiled program.
         r = jnp.arange(max(rounds, 1))
-        picks = jax.vmap(lambda i: sample_clients(key, i, num_clients, m))(r)
+        picks = jax.vmap(lambda i: sample_clients(key, i, num_clients, m, sampling))(r)
         counted = jnp.broadcast_to((r < done)[:, None], picks.shape).astype(jnp.int32)
         return jnp.zeros((num_clients,), jnp.int32).at[picks.reshape(-1)].add(
             counted.reshape(-1))
 
     @jax.jit
     def first_client(key, round_):
-        return sample_clients(key, round_, num_clients, m)[0]
+        return sample_clients(key, round_, num_clients, m, sampling)[0]
 
     def analyze(state) -> dict:
         x = jnp.asarray(images)

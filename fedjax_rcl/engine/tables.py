@@ -76,9 +76,9 @@ def _repeat(row: ClientState, n: int) -> ClientState:
                         jax.device_get(row))
 
 
-def _gather_round(round_rows: RoundRows, num_clients: int, per_round: int):
+def _gather_round(round_rows: RoundRows, num_clients: int, per_round: int, sampling: int):
     def run_round(state: ServerState, data: ClientData) -> tuple[ServerState, Metrics]:
-        sampled = sample_clients(state.key, state.round, num_clients, per_round)
+        sampled = sample_clients(state.key, state.round, num_clients, per_round, sampling)
         rows = jax.tree.map(lambda t: t[sampled], state.client_states)
         new_state, metrics, new_rows = round_rows(state, data, rows)
         table = jax.tree.map(lambda t, r: t.at[sampled].set(r), state.client_states, new_rows)
@@ -93,15 +93,17 @@ class DeviceTable:
 
     name = "device"
 
-    def __init__(self, num_clients: int, per_round: int, mesh: Mesh | None = None):
+    def __init__(self, num_clients: int, per_round: int, mesh: Mesh | None = None,
+                 sampling: int = 1):
         self.num_clients, self.per_round, self.mesh = num_clients, per_round, mesh
+        self.sampling = sampling
 
     def place(self, state: ServerState, row: ClientState) -> ServerState:
         return put_replicated(state, self.mesh).replace(
             client_states=put_client_table(_repeat(row, self.num_clients), self.mesh))
 
     def run_round(self, round_rows: RoundRows):
-        return _gather_round(round_rows, self.num_clients, self.per_round)
+        return _gather_round(round_rows, self.num_clients, self.per_round, self.sampling)
 
     def compile(self, round_rows: RoundRows, state: ServerState, data: ClientData,
                 capacity: int) -> Advance:
@@ -140,8 +142,10 @@ class HostTable:
 
     name = "host"
 
-    def __init__(self, num_clients: int, per_round: int, mesh: Mesh | None = None):
+    def __init__(self, num_clients: int, per_round: int, mesh: Mesh | None = None,
+                 sampling: int = 1):
         self.num_clients, self.per_round, self.mesh = num_clients, per_round, mesh
+        self.sampling = sampling
         self.rows: Any = ()
 
     def place(self, state: ServerState, row: ClientState) -> ServerState:
@@ -158,7 +162,8 @@ class HostTable:
         m = self.per_round
         rows = put_replicated(self._gather(np.arange(m)), self.mesh)
         one = jax.jit(round_rows, donate_argnums=0).lower(state, data, rows).compile()
-        sampler = jax.jit(lambda key, r: sample_clients(key, r, self.num_clients, m))
+        sampler = jax.jit(lambda key, r: sample_clients(key, r, self.num_clients, m,
+                                                        self.sampling))
         sampler.lower(state.key, state.round).compile()  # now, not in the first round
 
         def advance(state: ServerState, n: int):
@@ -214,8 +219,9 @@ class SparseTable(HostTable):
 
     name = "sparse"
 
-    def __init__(self, num_clients: int, per_round: int, mesh: Mesh | None = None):
-        super().__init__(num_clients, per_round, mesh)
+    def __init__(self, num_clients: int, per_round: int, mesh: Mesh | None = None,
+                 sampling: int = 1):
+        super().__init__(num_clients, per_round, mesh, sampling)
         self.slot = np.full(num_clients, -1, np.int64)
         self.count = 0
         self.initial: Any = ()
@@ -377,10 +383,10 @@ def describe_table(where: str, row: ClientState, num_clients: int) -> str:
 
 
 def client_table(where: str, num_clients: int, per_round: int,
-                 mesh: Mesh | None = None) -> ClientTable:
+                 mesh: Mesh | None = None, sampling: int = 1) -> ClientTable:
     """The strategy ``client_states=where`` names (``device``, ``host`` or ``sparse``;
     ``auto`` is resolved by ``choose_table`` before)."""
     tables = {"device": DeviceTable, "host": HostTable, "sparse": SparseTable}
     if where not in tables:
         raise ValueError(f"client_states={where!r}: allowed: {', '.join(CLIENT_TABLES)}")
-    return tables[where](num_clients, per_round, mesh)
+    return tables[where](num_clients, per_round, mesh, sampling)
