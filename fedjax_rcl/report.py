@@ -511,6 +511,15 @@ def _seeds_note(runs: Sequence[Run], at: Sequence[int]) -> str:
             "than three): a difference between them is not shown to exceed the seed noise.")
 
 
+def _grid(methods, settings, cells, cell, r: int) -> list[str]:
+    """A methods x settings Markdown table of ``cell(runs, r)``."""
+    lines = ["| method | " + " | ".join(settings) + " |", "|---" * (len(settings) + 1) + "|"]
+    for m in methods:
+        lines.append(f"| {m} | " + " | ".join(cell(cells.get((m, s), []), r)
+                                             for s in settings) + " |")
+    return lines
+
+
 def table(runs: Sequence[Run], at: Sequence[int]) -> str:
     methods, settings, cells = group(runs)
     lines = []
@@ -520,12 +529,8 @@ def table(runs: Sequence[Run], at: Sequence[int]) -> str:
     for r in at:
         lines += [f"EMA test accuracy at round {r} (decay {', '.join(f'{d:g}' for d in decays)} "
                   "per round, the paper's measure as we read it; in brackets: the best "
-                  f"accuracy through round {r}{seeds}):", "",
-                  "| method | " + " | ".join(settings) + " |",
-                  "|---" * (len(settings) + 1) + "|"]
-        for m in methods:
-            row = [_cell(cells.get((m, s), []), r) for s in settings]
-            lines.append(f"| {m} | " + " | ".join(row) + " |")
+                  f"accuracy through round {r}{seeds}):", ""]
+        lines += _grid(methods, settings, cells, _cell, r)
         lines.append("")
         note = _cadence_note(runs, [r])
         lines += [note] if note else []
@@ -533,19 +538,11 @@ def table(runs: Sequence[Run], at: Sequence[int]) -> str:
                   f"{max(1, r - _WINDOWS[0] + 1)}-{r} (in brackets: rounds "
                   f"{max(1, r - _WINDOWS[1] + 1)}-{r}){seeds}; "
                   "unlike the EMA it does not lag, and it means the same at any evaluation "
-                  "cadence:", "",
-                  "| method | " + " | ".join(settings) + " |",
-                  "|---" * (len(settings) + 1) + "|"]
-        for m in methods:
-            row = [_raw_cell(cells.get((m, s), []), r) for s in settings]
-            lines.append(f"| {m} | " + " | ".join(row) + " |")
+                  "cadence:", ""]
+        lines += _grid(methods, settings, cells, _raw_cell, r)
         lines += ["", f"Wall-clock time to round {r}, training and evaluation (mean over "
-                  "seeds; from the records, across resumes):", "",
-                  "| method | " + " | ".join(settings) + " |",
-                  "|---" * (len(settings) + 1) + "|"]
-        for m in methods:
-            row = [_wall(cells.get((m, s), []), r) for s in settings]
-            lines.append(f"| {m} | " + " | ".join(row) + " |")
+                  "seeds; from the records, across resumes):", ""]
+        lines += _grid(methods, settings, cells, _wall, r)
         lines.append("")
     note = _seeds_note(runs, at)
     lines += [note, ""] if note else []

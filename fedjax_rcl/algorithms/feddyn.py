@@ -31,13 +31,8 @@ from optax import tree_utils as otu
 
 from fedjax_rcl import registry
 from fedjax_rcl.algorithms.fedavg import cross_entropy
-from fedjax_rcl.engine.algorithm import ClientAlgorithm
+from fedjax_rcl.engine.algorithm import ClientAlgorithm, zeros_like_params
 from fedjax_rcl.validation import finite
-
-
-def _zeros(params, model_state):
-    del model_state
-    return jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
 
 
 def feddyn(*, alpha: float = 0.01) -> ClientAlgorithm:
@@ -63,9 +58,10 @@ def feddyn(*, alpha: float = 0.01) -> ClientAlgorithm:
         h = jax.tree.map(lambda h, d: h - alpha * d / ctx.num_clients, h, summed_moves)
         return h, jax.tree.map(lambda m, h: (m - h / alpha).astype(m.dtype), mean_params, h)
 
-    return ClientAlgorithm(objective, init_client_state=_zeros,
+    return ClientAlgorithm(objective, init_client_state=zeros_like_params,
                            update_client_state=update_client_state, client_result=client_result,
-                           init_server_state=_zeros, update_server_state=update_server_state)
+                           init_server_state=zeros_like_params,
+                           update_server_state=update_server_state)
 
 
 @dataclasses.dataclass

@@ -25,12 +25,7 @@ import jax.numpy as jnp
 
 from fedjax_rcl import registry
 from fedjax_rcl.algorithms.fedavg import cross_entropy
-from fedjax_rcl.engine.algorithm import ClientAlgorithm
-
-
-def _zeros(params, model_state):
-    del model_state
-    return jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+from fedjax_rcl.engine.algorithm import ClientAlgorithm, zeros_like_params
 
 
 def scaffold() -> ClientAlgorithm:
@@ -61,9 +56,10 @@ def scaffold() -> ClientAlgorithm:
         return (jax.tree.map(lambda c, d: c + d / ctx.num_clients, c, summed_deltas),
                 mean_params)
 
-    return ClientAlgorithm(objective, init_client_state=_zeros,
+    return ClientAlgorithm(objective, init_client_state=zeros_like_params,
                            update_client_state=update_client_state, client_result=client_result,
-                           init_server_state=_zeros, update_server_state=update_server_state,
+                           init_server_state=zeros_like_params,
+                           update_server_state=update_server_state,
                            correct_update=correct_update)
 
 

@@ -123,6 +123,13 @@ def _keep_state(state: ClientState, params: Params, model_state: ModelState,
     return state
 
 
+def zeros_like_params(params: Params, model_state: ModelState) -> Params:
+    """A float32 zero for each parameter: the initial state of control variates and duals
+    (SCAFFOLD's ``c`` and ``c_i``, FedDyn's ``h`` and ``g_k``)."""
+    del model_state
+    return jax.tree.map(lambda p: jax.numpy.zeros(p.shape, jax.numpy.float32), params)
+
+
 def _no_server_state(params: Params, model_state: ModelState) -> Any:
     del params, model_state
     return ()
