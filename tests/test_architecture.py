@@ -27,9 +27,10 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("experiment", ("experiment", "mfcl", "report", "reference")),
     ("loop", ("loop",)),
     ("programs", ("training", "mfcl.run", "grid")),
-    # The PyTorch mirror of the benchmark imports nothing of the package (an independent
-    # implementation); in the top layer, nothing below may import it.
-    ("entry points", ("api", "suite", "cli", "__main__", "", "torch_reference")),
+    ("entry points", ("api", "suite", "cli", "__main__", "")),
+    # The benchmark kit (tools/bench_*.py): above the simulator, which it may import; nothing
+    # outside it imports it (test_the_simulator_never_imports_the_benchmark_kit).
+    ("benchmark kit", ("bench",)),
 ]
 
 
@@ -133,6 +134,18 @@ def test_no_arrow_from_a_lower_layer_to_a_higher_one():
                   for a, targets in import_graph().items() for b in targets
                   if layer_of(b) > layer_of(a))
     assert back == []
+
+
+def test_the_simulator_never_imports_the_benchmark_kit():
+    """``fedjax_rcl.bench`` (the PyTorch reference, the trace summary, the benchmark's FLOP
+    counts) serves the benchmark tools; no module outside it imports it, the root package
+    included: the simulator never depends on the benchmark."""
+    def inside(module):
+        return module == "bench" or module.startswith("bench.")
+
+    arrows = sorted(f"fedjax_rcl.{a} -> fedjax_rcl.{b}" for a, targets in import_graph().items()
+                    if not inside(a) for b in targets if inside(b))
+    assert arrows == []
 
 
 def test_the_checks_see_a_cycle_and_a_back_arrow():

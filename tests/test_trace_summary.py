@@ -1,4 +1,4 @@
-"""fedjax_rcl.engine.trace_summary: operations are put in the right category from the optimised HLO,
+"""fedjax_rcl.bench.trace_summary: operations are put in the right category from the optimised HLO,
 and a trace's time is split into category shares and idle time by its intervals."""
 
 import gzip
@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from fedjax_rcl.engine import trace_summary
+from fedjax_rcl.bench import trace_summary
 
 HLO = """HloModule jit_run_rounds, is_scheduled=true
 

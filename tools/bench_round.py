@@ -1,6 +1,6 @@
 """Seconds per round and client-parallel scaling of the compiled round, against the same round
 run client by client (a Python loop over the jitted local update) and against a PyTorch eager
-implementation of the same client update (``fedjax_rcl.torch_reference``).
+implementation of the same client update (``fedjax_rcl.bench.torch_reference``).
 
     pip install -e ".[bench]"          # PyTorch 2.13 (CPU), only for this benchmark
     python tools/bench_round.py        # full table (CNN and ResNet-18) -> benchmarks/HISTORY.md
@@ -98,20 +98,15 @@ def _timed(fn) -> float:
 
 
 def forward_flops_per_image(model: str, algorithm: str) -> float:
-    """Analytic FLOPs of one forward pass of one image (2 per multiply-add of every convolution
-    and dense layer, padding positions included, as PyTorch's and the papers' counts), the same
-    number for every mode so GFLOP/s compare across rows. (Tables before 2026-11-23 counted the
-    JAX rows with XLA's cost analysis, which skips multiply-adds on padding: 970 vs 1111 MFLOP
-    for ResNet-18.)"""
-    from fedjax_rcl import torch_reference  # its FLOP counts need no PyTorch
+    """FLOPs of one forward pass of one image (``fedjax_rcl.bench.flops``: 2 per multiply-add of
+    every convolution and dense layer, padding positions included, as PyTorch's and the papers'
+    counts), the same number for every mode so GFLOP/s compare across rows. (XLA's cost
+    analysis skips the multiply-adds on padding: 970 vs 1111 MFLOP for ResNet-18.)"""
+    from fedjax_rcl.bench.flops import forward_flops
 
     name, _, width = model.partition(":")  # "resnet10:16": ResNet-10 at width 16
-    try:
-        return float(torch_reference.forward_flops(
-            name, projection_dim=256 if algorithm == "moon" else None,
-            **({"width": int(width)} if width else {})))
-    except (KeyError, ValueError):  # a model the reference does not count
-        return float("nan")
+    return float(forward_flops(name, projection_dim=256 if algorithm == "moon" else None,
+                               width=int(width) if width else None))
 
 
 def worker(spec: dict) -> dict:
@@ -129,10 +124,9 @@ def worker(spec: dict) -> dict:
     num_clients = max(clients, 100)
     batch = 50
     steps = epochs * per_client // batch
-    out = {**spec, "steps": steps, "batch": batch,
-           "fwd_flops_per_image": forward_flops_per_image(spec["model"], algorithm)}
+    out = {**spec, "steps": steps, "batch": batch}
     if mode == "torch":
-        from fedjax_rcl import torch_reference
+        from fedjax_rcl.bench import torch_reference
 
         data = fake_cifar(num_clients * per_client)
         import torch
@@ -201,6 +195,8 @@ def worker(spec: dict) -> dict:
                 _timed(one_round) for _ in range(spec.get("repeats", 2)))
     out["peak_rss_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     out["client_steps_per_s"] = clients * steps / out["round_s"]
+    # Counted once the measurement is done: it traces the model.
+    out["fwd_flops_per_image"] = forward_flops_per_image(spec["model"], algorithm)
     return out
 
 

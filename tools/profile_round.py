@@ -1,6 +1,6 @@
 """Where one compiled round's time goes, by kernel category (convolutions, matrix products,
 element-wise fusions, copies) and by operation: the round ``tools/bench_round.py`` times, run
-once under the JAX profiler and summarised by ``fedjax_rcl.engine.trace_summary``.
+once under the JAX profiler and summarised by ``fedjax_rcl.bench.trace_summary``.
 
     python tools/profile_round.py                       # FedRCL, ResNet-18, 5 clients
     python tools/profile_round.py --model cnn --clients 10 --json out.json
@@ -18,8 +18,8 @@ import tempfile
 import jax
 from bench_round import fake_cifar  # this folder: the benchmark's synthetic images
 
+from fedjax_rcl.bench import trace_summary
 from fedjax_rcl.config import Config
-from fedjax_rcl.engine import trace_summary
 from fedjax_rcl.experiment import build
 
 

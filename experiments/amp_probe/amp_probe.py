@@ -34,9 +34,9 @@ Model and setting: ResNet-10 (one BasicBlock per stage), width 16, GroupNorm(2) 
 stand-in for the paper's ResNet-18 -- on the CIFAR-10 JPEG archive split over 100 clients by the
 reference's balanced Dirichlet(0.3) procedure (drawn anew); 5 clients per round (seeded), 5 local
 epochs of batch 50, lr 0.1 * 0.998^(round + epoch), clip 10, weight decay 1e-3, uniform
-averaging (``fedjax_rcl.torch_reference`` mirrors our objectives and optimizer). The arms advance
-round by round together, so a run cut short by ``--cpu-budget-s`` leaves all arms at the same
-round; the JSON is rewritten after every round.
+averaging (``fedjax_rcl.bench.torch_reference`` mirrors our objectives and optimizer). The arms
+advance round by round together, so a run cut short by ``--cpu-budget-s`` leaves all arms at the
+same round; the JSON is rewritten after every round.
 
 Usage (one thread; 11 CPU minutes for the 5 rounds on a 2-core AVX2 EPYC; results and reading
 in ``experiments/amp_probe/README.md``)::
@@ -66,7 +66,7 @@ import torch.nn.functional as F  # noqa: E402
 from torch.overrides import TorchFunctionMode  # noqa: E402
 from torch.utils._pytree import tree_map  # noqa: E402
 
-from fedjax_rcl import torch_reference as tr  # noqa: E402
+from fedjax_rcl.bench import torch_reference as tr  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -16,15 +16,17 @@ OURS=(experiments/runs/fidelity_cpu/fedavg-a0.3 experiments/runs/seeds_cpu/fedav
       experiments/runs/seeds_cpu/fedavg-a0.3-s2)
 for s in 0 1 2; do  # the images (our order) and each seed's split, as our runs drew them
   [ -f "runs/authors_data/s$s/export.json" ] ||
-    python tools/authors_reference.py export "${OURS[$s]}" --out "runs/authors_data/s$s"
+    python experiments/authors_code/authors_reference.py export "${OURS[$s]}" \
+      --out "runs/authors_data/s$s"
 done
 ALGOS=("${@:-fedavg fedrcl}")
 for rounds in 25 50 75 100; do
   for s in 0 1 2; do
     for algo in ${ALGOS[@]}; do
-      "$AUTHORS_PYTHON" tools/authors_reference.py run --checkout "$AUTHORS_CHECKOUT" \
-        --data "runs/authors_data/s$s" --algorithm "$algo" --rounds "$rounds" --threads 1 \
-        --run-dir "experiments/runs/authors_code/$algo-a0.3-s$s" 2>/dev/null | grep -v "^resuming"
+      "$AUTHORS_PYTHON" experiments/authors_code/authors_reference.py run \
+        --checkout "$AUTHORS_CHECKOUT" --data "runs/authors_data/s$s" --algorithm "$algo" \
+        --rounds "$rounds" --threads 1 --run-dir "experiments/runs/authors_code/$algo-a0.3-s$s" \
+        2>/dev/null | grep -v "^resuming"
     done
   done
 done

@@ -1,7 +1,7 @@
 """The authors' code beside ours, same images and split: the comparison table (issue 48 item 2).
 
 Reads the authors'-code runs (experiments/runs/authors_code/<algo>-a0.3-s<seed>, written by
-tools/authors_reference.py) and ours (experiments/runs/fidelity_cpu for seed 0,
+authors_reference.py beside this script) and ours (experiments/runs/fidelity_cpu for seed 0,
 experiments/runs/seeds_cpu for seeds 1 and 2), and writes table.md and table.json beside this
 script. For each algorithm, seed and checkpoint round r it takes, from each side's per-round
 test accuracy:

@@ -2,7 +2,7 @@
 
 The FedRCL ResNet-18 round of ``tools/bench_round.py`` (5 clients one after another, 2 local
 steps of batch 50, synthetic CIFAR-shaped images, fp32) timed in one process per setting,
-settings in rotation, against PyTorch's eager round (``fedjax_rcl.torch_reference``), with
+settings in rotation, against PyTorch's eager round (``fedjax_rcl.bench.torch_reference``), with
 the process's minor page faults per timed round:
 
 * ``default``: as shipped.
@@ -49,7 +49,7 @@ def worker(setting: str) -> dict:
 
     data = fake_cifar(100 * 100)
     if setting == "torch":
-        from fedjax_rcl import torch_reference
+        from fedjax_rcl.bench import torch_reference
         r = torch_reference.round_seconds("resnet18", "fedrcl", clients=CLIENTS, steps=STEPS,
                                           batch=BATCH, data=data, epochs=1,
                                           repeats=WARM + TIMED)

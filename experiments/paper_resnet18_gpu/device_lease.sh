@@ -1,6 +1,6 @@
 #!/bin/bash
 # One device-tool call that serves a lease in the team's order: the speed script
-# (tools/gpu_fill.py, FILL_S seconds), then the paper-scale run(s) of
+# (experiments/paper_resnet18_gpu/gpu_fill.py, FILL_S seconds), then the paper-scale run(s) of
 # device_paper_resnet18.sh for the rest of the call (CALL_S seconds in all). The data are
 # decoded in the background (one core, low priority, CPU-only JAX) while the speed script runs.
 # Call it again on the same warm machine: the speed script is not repeated (its files came back
@@ -33,7 +33,8 @@ if [ ! -f /tmp/fill/env.json ] && [ "${FILL_S:-270}" != 0 ]; then
     && JAX_PLATFORMS=cpu PYTHONPATH=/tmp/site2:$PWD nice -n 19 python3 -c \
       "from fedjax_rcl.data.sources import load_dataset as l; d = l('imagefolder:/tmp/cifar10'); print('decoded', d.train_images.shape)"
   ) > /tmp/prep.log 2>&1 &
-  OUT=/tmp/fill timeout $(( ${FILL_S:-270} + 40 )) python3 tools/gpu_fill.py --budget-s "${FILL_S:-270}"
+  OUT=/tmp/fill timeout $(( ${FILL_S:-270} + 40 )) \
+    python3 experiments/paper_resnet18_gpu/gpu_fill.py --budget-s "${FILL_S:-270}"
   echo "gpu_fill exit $? after $(( $(date +%s) - T0 )) s"
   wait
   cat /tmp/prep.log

@@ -10,7 +10,7 @@ tables:
    collapsed model, and the smallest and largest gap between them in rounds 5-20, the
    collapsed phase.
 
-    python experiments/results/report_analysis_r100/tracking.py
+    python experiments/analysis_cpu/tracking.py
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from pathlib import Path
 
 from scipy.stats import spearmanr
 
-RUNS = Path(__file__).resolve().parents[2] / "runs" / "analysis_cpu_r100"
+RUNS = Path(__file__).resolve().parents[1] / "runs" / "analysis_cpu_r100"
 # measure, label, sign: +1 when a larger value means less collapse
 MEASURES = (("effective_rank", "effective rank", +1), ("vci", "VCI", -1),
             ("effective_rank_uncentred", "uncentred rank", +1),

@@ -1,4 +1,4 @@
-"""The table of experiments/mfcl/table2_gpu.sh (issue 53): MFCL's linear evaluation with TN,
+"""The table of experiments/mfcl_paper/table2_gpu.sh (issue 53): MFCL's linear evaluation with TN,
 GN and BN client modules at Dirichlet xi = 0.01 (seeds 0, 1, 2) and xi = 200 (seed 0), in the
 paper's setting (experiments/paper/mfcl_table2_cifar10.yaml), beside MFCL's Table 2.
 
@@ -8,9 +8,9 @@ head (``linear_probe_*``, SimCLR's choice and the CPU pages' figure); with both 
 randomly initialised server over the same client module, on each of the two; the raw
 pixels), mean ± sd where n >= 2, the order each column shows, and the paired per-seed
 differences TN - GN, TN - BN and GN - BN (called shown only where |mean| > 2 sd). The helpers
-are experiments/results/mfcl_xi/table.py's (the CPU-scale table of the same claim).
+are experiments/mfcl_xi/table.py's (the CPU-scale table of the same claim).
 
-    python experiments/results/mfcl_paper/table.py --runs /tmp/mfcl_paper --out table.md
+    python experiments/mfcl_paper/table.py --runs /tmp/mfcl_paper --out table.md
 
 Reads ``<runs>/<norm>-xi<xi>-s<seed>``; runs without a probe record are listed as not finished.
 """

@@ -1,4 +1,4 @@
-"""The table of experiments/results/mfcl_cpu/run.sh: linear-probe top-1 of MFCL with TN, GN and
+"""The table of experiments/mfcl_cpu/run.sh: linear-probe top-1 of MFCL with TN, GN and
 BN client modules, per seed, with mean and standard deviation over the seeds present."""
 import json
 import statistics
@@ -43,7 +43,7 @@ def main():
         lines.append(f"| {label} | {len(accs)} | {statistics.mean(accs):.4f} | {sd} |"
                      if accs else f"| {label} | 0 | — | — |")
     text = "\n".join(lines) + "\n"
-    Path("experiments/results/mfcl_cpu/table.md").write_text(text)
+    Path("experiments/mfcl_cpu/table.md").write_text(text)
     print(text)
 
 

@@ -13,7 +13,7 @@ limit keeps what it measured), the most telling first:
    measured before). ``PFL_PYTHON`` names an interpreter with pfl and torch (default: this
    one, if it imports pfl; otherwise ours only).
 2. ``profile.json``: the same workload on fake CIFAR-shaped data. One fused round of the
-   default under the JAX profiler, summarised by ``fedjax_rcl.engine.trace_summary`` as shares
+   default under the JAX profiler, summarised by ``fedjax_rcl.bench.trace_summary`` as shares
    of convolutions, matrix products, element-wise work, copies and idle time; then the other
    formulations, each compiled in this process, timed in rotation with the default (same
    process, so every ratio is a same-run ratio) and profiled too: the patch convolutions with
@@ -42,11 +42,13 @@ over the device tool's 8, so a call runs it with ``OUT`` elsewhere and packs the
 On the device (carry ``.whl``, the wheels ``tools/gpu_check.py``'s docstring downloads; this
 script needs only omegaconf of them; timeout_s 300)::
 
-    OUT=/tmp/fill python3 tools/gpu_fill.py; tar czf $OUT/fill.tar.gz -C /tmp fill  # 270 s + 10
+    OUT=/tmp/fill python3 experiments/paper_resnet18_gpu/gpu_fill.py  # 270 s
+    tar czf $OUT/fill.tar.gz -C /tmp fill                               # + 10 s
 
 Dry run on a CPU at tiny sizes (every part, every code path; about 5-10 minutes on 2 cores)::
 
-    JAX_PLATFORMS=cpu TINY=1 OUT=/tmp/gpu_fill python tools/gpu_fill.py --budget-s 900
+    JAX_PLATFORMS=cpu TINY=1 OUT=/tmp/gpu_fill \
+        python experiments/paper_resnet18_gpu/gpu_fill.py --budget-s 900
 """
 
 from __future__ import annotations
@@ -63,7 +65,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PARTS = ("pfl", "profile", "runs", "clients")
 # Each part's share of the time left after the environment (the rest goes to the last part).
 SHARES = {"pfl": 0.45, "profile": 0.13, "runs": 0.23, "clients": 0.19}
@@ -315,7 +317,7 @@ def part_profile(out: Path, deadline: Deadline, args) -> None:
     import jax
     from bench_round import machine, matmul_peak_gflops
 
-    from fedjax_rcl.engine.trace_summary import profile
+    from fedjax_rcl.bench.trace_summary import profile
 
     rounds, passes = (2, 2) if tiny() else (10, 3)
     data = _fake(5000, 500) if tiny() else _fake(50_000, 1000)

@@ -10,7 +10,7 @@
 # itself BUDGET_S seconds after it began (SIGTERM: the run ends at its last complete checkpoint,
 # phase-1 rounds and phase-2 epochs every 5), so the device call returns inside its 10 minutes;
 # the next call on the same warm machine carries on. Each call records the card and the
-# versions ($RUNS_DIR/machine.txt), writes the table (experiments/results/mfcl_paper/table.py)
+# versions ($RUNS_DIR/machine.txt), writes the table (experiments/mfcl_paper/table.py)
 # and, with OUT set, puts in $OUT: runs.tar.gz (every run without checkpoints), table.md,
 # machine.txt and table2_gpu.log.
 #
@@ -21,10 +21,10 @@
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 -d .whl \
 #     omegaconf==2.4.0
 # then each call (carry [".devdata", ".whl"], timeout_s 600):
-#   BUDGET_S=540 bash experiments/mfcl/table2_gpu.sh
+#   BUDGET_S=540 bash experiments/mfcl_paper/table2_gpu.sh
 # CPU dry run at a tiny size (200 of the built-in digits, batches of 8, 1 round, 1 server
 # epoch, a width-8 server, a probe penalty from 2 values; every run of the list):
-#   TINY=1 RUNS_DIR=/tmp/mfcl_paper_tiny bash experiments/mfcl/table2_gpu.sh
+#   TINY=1 RUNS_DIR=/tmp/mfcl_paper_tiny bash experiments/mfcl_paper/table2_gpu.sh
 # Other knobs: RUNS="twin-xi0.01-s0 ..." (a subset, in order), PHASE1_LR=0.05 (Table 12's
 # phase-1 learning rate, which diverged on the CPU; the config runs 0.001), EXTRA="..." (more
 # overrides for new runs); give those their own RUNS_DIR.
@@ -109,7 +109,7 @@ if [ -n "$stopped" ]; then
 else
   echo "== ALL RUNS FINISHED"
 fi
-$PY experiments/results/mfcl_paper/table.py --runs "$RUNS_DIR" --out "$RUNS_DIR/table.md"
+$PY experiments/mfcl_paper/table.py --runs "$RUNS_DIR" --out "$RUNS_DIR/table.md"
 if [ -n "${OUT:-}" ]; then
   mkdir -p "$OUT"
   runs=$(cd "$RUNS_DIR" && ls -d ./*-xi*-s* 2> /dev/null)

@@ -4,9 +4,9 @@
 # EMA accuracy mean ± sd over seeds, each method's paired per-seed difference from FedAvg and
 # the within-run count of rounds (of the 25 up to each reported round) in which its raw
 # accuracy is above FedAvg's. Runs not yet at a round are left out of that round's cells
-# (n says how many seeds a cell holds). Writes experiments/results/seeds_cpu/report.md.
+# (n says how many seeds a cell holds). Writes experiments/seeds_cpu/report.md.
 set -euo pipefail
-cd "$(dirname "$0")/../../.."
+cd "$(dirname "$0")/../.."
 dirs=()
 for m in fedavg fedrcl fedrcl-paper fedscl moon; do
   for a in 0.3 0.1; do
@@ -16,4 +16,4 @@ for m in fedavg fedrcl fedrcl-paper fedscl moon; do
   done
 done
 fedjax-rcl report "${dirs[@]}" --at 50 75 100 --baseline fedavg --window 25 \
-  --out experiments/results/seeds_cpu
+  --out experiments/seeds_cpu

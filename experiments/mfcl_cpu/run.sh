@@ -4,9 +4,9 @@
 # for seeds 0, 1 and 2 (the seed draws the 1,000-image subset, the split, the initialisation
 # and the augmentations), then the table of linear-probe accuracies. Resumes a stopped run
 # instead of starting it again.
-#   SEEDS="0" bash experiments/results/mfcl_cpu/run.sh   # one seed only
+#   SEEDS="0" bash experiments/mfcl_cpu/run.sh   # one seed only
 set -euo pipefail
-cd "$(dirname "$0")/../../.."
+cd "$(dirname "$0")/../.."
 SEEDS=${SEEDS:-"0 1 2"}
 for seed in $SEEDS; do
   # batch-bnbatch: BN whose phase-2 representations use each client's batch statistics.
@@ -24,4 +24,4 @@ for seed in $SEEDS; do
     fi
   done
 done
-python experiments/results/mfcl_cpu/table.py
+python experiments/mfcl_cpu/table.py

@@ -31,18 +31,19 @@ channels_last, so the augmentation output needs no copy.
 
 Usage::
 
-    from fedjax_rcl.torch_reference import round_seconds, eval_seconds, forward_flops
+    from fedjax_rcl.bench.torch_reference import round_seconds, eval_seconds
     round_seconds("resnet18", "fedrcl", clients=5, steps=5, epochs=1, data=dataset, repeats=1)
     eval_seconds("cnn", data=dataset)
-    forward_flops("resnet18")            # FLOPs of one forward pass of one image
 
-    python -m fedjax_rcl.torch_reference --model cnn --algorithm fedrcl --steps 10 --epochs 1
+    python -m fedjax_rcl.bench.torch_reference --model cnn --algorithm fedrcl --steps 10 --epochs 1
 
 ``data`` is a ``fedjax_rcl.data.ImageDataset`` or anything with its ``train_images``,
 ``train_labels`` (and, for evaluation, ``test_images``, ``test_labels``) attributes or keys; its
-``mean``, ``std``, ``hflip`` and ``class_names`` are used when present. The FLOP counts need no
-PyTorch; everything else does (``pip install fedjax-rcl[bench]``). It imports nothing
-else of the package, so that it stays an independent implementation of the same work.
+``mean``, ``std``, ``hflip`` and ``class_names`` are used when present. It needs PyTorch
+(``pip install 'fedjax-rcl[bench]'``). Its computation imports nothing of the simulator, so
+that it stays an independent implementation of the same work; only the GFLOP/s it reports,
+once the timing is done, count FLOPs with ``fedjax_rcl.bench.flops`` (our model's traced
+program, the same count as every other benchmark row).
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-try:  # PyTorch is an optional, benchmark-only dependency: the FLOP counts work without it.
+try:  # PyTorch is an optional, benchmark-only dependency: the module imports without it.
     import torch
     import torch.nn.functional as F
     from torch import nn
@@ -85,84 +86,8 @@ _RESNET18_STAGES = (2, 2, 2, 2)
 
 def _require_torch() -> None:
     if torch is None:
-        raise ImportError("fedjax_rcl.torch_reference needs PyTorch: "
+        raise ImportError("fedjax_rcl.bench.torch_reference needs PyTorch: "
                           "pip install 'fedjax-rcl[bench]'")
-
-
-# --------------------------------------------------------------------------------------------
-# Analytic FLOPs (no PyTorch needed).
-# --------------------------------------------------------------------------------------------
-
-
-def forward_flops(model_name: str, *, num_classes: int = 10, image_size: int = 32,
-                  in_channels: int = 3, projection_dim: int | None = None,
-                  width: int = 64) -> int:
-    """FLOPs of one forward pass of one image: 2 per multiply-add of every conv and dense layer.
-
-    Normalization, activations, pooling and the losses are left out (they are O(activations),
-    not O(activations x fan-in); for ResNet-18 they are well under 1% of the total). Training
-    costs about 3x this per image (forward + backward, the backward being twice the forward);
-    see :func:`train_step_flops`.
-
-    Args:
-      model_name: ``"cnn"``, ``"resnet18"`` or ``"resnet10"`` (one BasicBlock per stage).
-      num_classes: classifier outputs.
-      image_size: square input side.
-      in_channels: input channels.
-      projection_dim: MOON projection head output, or None for no head.
-      width: the ResNets' first-stage channels (stages double it).
-
-    Returns:
-      FLOPs per image, e.g. 1,303,440 for the CNN and 1,110,845,440 for ResNet-18 (10 classes,
-      32x32x3, no head).
-    """
-    macs = 0
-    if model_name == "cnn":
-        side = image_size
-        cin = in_channels
-        for cout in (6, 16):
-            side -= 4  # 5x5 valid convolution
-            macs += side * side * cout * cin * 25
-            side //= 2  # 2x2 max-pool
-            cin = cout
-        dims = [side * side * cin, 120, 84, num_classes]
-        macs += sum(a * b for a, b in zip(dims[:-1], dims[1:], strict=True))
-        embed = 84
-    elif model_name in ("resnet18", "resnet10"):
-        stages = _RESNET18_STAGES if model_name == "resnet18" else (1, 1, 1, 1)
-        side, cin = image_size, in_channels
-        macs += side * side * width * cin * 9  # stem conv3x3, stride 1
-        cin = width
-        for s, blocks in enumerate(stages):
-            cout = width * 2**s
-            for b in range(blocks):
-                stride = 2 if (s > 0 and b == 0) else 1
-                side_out = (side + 2 - 3) // stride + 1  # 3x3, pad 1
-                macs += side_out * side_out * cout * cin * 9  # conv1
-                macs += side_out * side_out * cout * cout * 9  # conv2
-                if stride != 1 or cin != cout:
-                    macs += side_out * side_out * cout * cin  # 1x1 shortcut
-                side, cin = side_out, cout
-        macs += cin * num_classes
-        embed = cin
-    else:
-        raise ValueError(f"model={model_name!r}: allowed {MODELS}")
-    if projection_dim:
-        macs += embed * embed + embed * projection_dim
-    return 2 * macs
-
-
-def train_step_flops(model_name: str, algorithm: str, batch: int, *, num_classes: int = 10,
-                     image_size: int = 32, in_channels: int = 3,
-                     projection_dim: int = 256) -> int:
-    """FLOPs of one local step: 3x the forward per image (forward + backward), plus for MOON the
-    two no-grad forwards of the global and previous models (with the projection head)."""
-    if algorithm not in ALGORITHMS:
-        raise ValueError(f"algorithm={algorithm!r}: allowed {ALGORITHMS}")
-    head = projection_dim if algorithm == "moon" else None
-    f = forward_flops(model_name, num_classes=num_classes, image_size=image_size,
-                      in_channels=in_channels, projection_dim=head)
-    return batch * f * (5 if algorithm == "moon" else 3)
 
 
 # --------------------------------------------------------------------------------------------
@@ -779,6 +704,8 @@ def round_seconds(model_name: str, algorithm: str, *, clients: int = 5, steps: i
         faults.append(_minor_faults() - f0)
         losses.append(float(np.mean(out["client_losses"])))
     median = statistics.median(times)
+    from fedjax_rcl.bench.flops import train_step_flops  # after the timing: it imports JAX
+
     step_flops = train_step_flops(model_name, algorithm, batch, num_classes=num_classes,
                                   image_size=images.shape[1], in_channels=images.shape[-1])
     return {
@@ -844,6 +771,8 @@ def eval_seconds(model_name: str, *, data, batch: int = 500, repeats: int = 3,
         accuracy, loss = evaluate()
         times.append(time.perf_counter() - t0)
     median = statistics.median(times)
+    from fedjax_rcl.bench.flops import forward_flops  # after the timing: it imports JAX
+
     flops = forward_flops(model_name, num_classes=num_classes, image_size=images.shape[1],
                           in_channels=images.shape[-1])
     return {

@@ -5,7 +5,7 @@
 # 1,000 class-balanced test images every 5 rounds (effective rank, VCI and the measures that
 # keep the mean: experiments/rank_under_collapse/README.md). Resumes a stopped run and skips a
 # finished one (its checkpoints are not kept). Then the report:
-# experiments/results/report_analysis_r100 (report.md, collapse.png).
+# experiments/analysis_cpu/report_r100 (report.md, collapse.png).
 set -eu
 cd "$(dirname "$0")/../.."
 for spec in "fedavg algorithm=fedavg" "fedscl algorithm=fedscl" "fedrcl algorithm=fedrcl" \
@@ -25,4 +25,4 @@ print(rounds_done(pathlib.Path(sys.argv[1])))" "$dir")  # 0 for a run not starte
   fi
 done
 fedjax-rcl report experiments/runs/analysis_cpu_r100/{fedavg,fedscl,fedrcl,fedrcl-paper} \
-  --out experiments/results/report_analysis_r100 --at 10 20 50 75 100 --baseline fedavg
+  --out experiments/analysis_cpu/report_r100 --at 10 20 50 75 100 --baseline fedavg

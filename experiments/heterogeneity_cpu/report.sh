@@ -5,9 +5,9 @@
 # and 2 in experiments/runs/seeds_cpu); a seed still running counts at the rounds it reached:
 # EMA accuracy, each FedRCL's paired difference from FedAvg and the within-run count of rounds
 # (of the 25 up to each reported round) in which its raw accuracy is above FedAvg's. Writes
-# experiments/results/heterogeneity_cpu/report/report.md.
+# experiments/heterogeneity_cpu/report/report.md.
 set -euo pipefail
-cd "$(dirname "$0")/../../.."
+cd "$(dirname "$0")/../.."
 dirs=()
 for m in fedavg fedrcl fedrcl-paper; do
   for a in a0.05 a0.1 a0.3 iid; do
@@ -18,4 +18,4 @@ for m in fedavg fedrcl fedrcl-paper; do
   done
 done
 fedjax-rcl report "${dirs[@]}" --at 50 100 --baseline fedavg --window 25 \
-  --out experiments/results/heterogeneity_cpu/report
+  --out experiments/heterogeneity_cpu/report

@@ -3,7 +3,7 @@ kernel categories (convolutions, matrix products, element-wise work and other fu
 other) and of idle time between kernels.
 
     import jax
-    from fedjax_rcl.engine import trace_summary
+    from fedjax_rcl.bench import trace_summary
     compiled = jax.jit(f).lower(*args).compile()
     summary = trace_summary.profile(lambda: compiled(*args), compiled.as_text(), "/tmp/trace")
 

@@ -30,12 +30,13 @@ all of them, so chunks continue the same sequence.
 Two steps, in two environments::
 
   # 1) in this project's environment: the decoded images and a run's split
-  python tools/authors_reference.py export experiments/runs/seeds_cpu/fedavg-a0.3-s1 \
-      --out runs/authors_data/s1
+  python experiments/authors_code/authors_reference.py export \
+      experiments/runs/seeds_cpu/fedavg-a0.3-s1 --out runs/authors_data/s1
   # 2) in an environment with the authors' requirements (torch, torchvision, hydra-core,
   #    omegaconf, coloredlogs, wandb, netcal, matplotlib), given a checkout of their code
-  python tools/authors_reference.py run --checkout PATH/FedRCL --data runs/authors_data/s1 \
-      --algorithm fedrcl --rounds 25 --run-dir experiments/runs/authors_code/fedrcl-a0.3-s1
+  python experiments/authors_code/authors_reference.py run --checkout PATH/FedRCL \
+      --data runs/authors_data/s1 --algorithm fedrcl --rounds 25 \
+      --run-dir experiments/runs/authors_code/fedrcl-a0.3-s1
 
 ``run`` writes ``metrics.jsonl`` (one line per round: ``round`` counted from 1 as ours,
 ``test_accuracy`` in [0, 1]), ``config.yaml`` (their composed config), ``commands.txt`` and

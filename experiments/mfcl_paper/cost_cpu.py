@@ -24,7 +24,7 @@ with N = 50,000 images, R = 15 rounds, E = 150 epochs, B = 512 pairs a step, ``c
 measured seconds per trained pair (the largest size's), ``r`` the representations and ``p``
 the probe. The probe's L-BFGS iterations need not be linear in N: its line is the roughest.
 
-    python experiments/mfcl/cost_cpu.py --sizes 500 1500 --out experiments/results/mfcl_paper
+    python experiments/mfcl_paper/cost_cpu.py --sizes 500 1500 --out experiments/mfcl_paper
 """
 
 from __future__ import annotations
@@ -118,7 +118,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--epochs", type=int, default=2)
     ap.add_argument("--norm", default="twin")
-    ap.add_argument("--out", type=Path, default=Path("experiments/results/mfcl_paper"))
+    ap.add_argument("--out", type=Path, default=Path("experiments/mfcl_paper"))
     args = ap.parse_args()
     info = {"machine": machine(), "config": CONFIG, "paper": PAPER, "runs": []}
     with tempfile.TemporaryDirectory() as tmp:
