@@ -171,8 +171,8 @@ def clients_in_parallel(cfg: CoreConfig, step_gflop: float,
     ``step_gflop``: one client's training step in GFLOP (``training_step_gflop``). Why a cost
     model: on a CPU a large client step (a ResNet, pfl's CNN) already keeps the cores busy and
     side by side only costs cache and memory, while MOON's small CNN gains from it; on a GPU,
-    vmapped clients' convolutions become grouped convolutions, and a ResNet-18 round was faster
-    one client after another (BENCHMARKS.md, "Which client layout").
+    vmapped clients' convolutions become grouped convolutions, which makes one client after
+    another the faster layout for a ResNet-18 (BENCHMARKS.md, "Which client layout").
     """
     if cfg.clients_in_parallel:
         return cfg.clients_in_parallel

@@ -86,7 +86,7 @@ class Run:
     def ema_steps_per_round(self) -> bool:
         """Whether the records apply ``ema_decay**k`` for ``k`` rounds between evaluations
         (lines with ``ema_rounds``), rather than ``ema_decay`` once per evaluation (records
-        written before the EMA's decay was per round)."""
+        without ``ema_rounds``)."""
         return any("ema_rounds" in x for x in self.rows)
 
     @property
@@ -184,7 +184,7 @@ def _variant(run: Run) -> str:
     value = run.config.get(key) if key else None
     if key is None:
         return ""
-    if value is None:  # records older than the key: the default, the released loss
+    if value is None:  # records without the key: the default, the released loss
         value = "hard"
     short = key.split(".")[-1]
     return f" ({names.get(value, f'{short}={value}')})"
@@ -663,7 +663,7 @@ def _plots(runs: Sequence[Run], out: Path) -> list[Path]:
                 for which, style in (("global", "-"), ("local", "--")):
                     pts = [(r["round"], r[f"{which}_{metric}"]) for r in x.rows
                            if f"{which}_{metric}" in r]
-                    if pts:  # a run from before a measure was added has none of it
+                    if pts:  # a run that did not record this measure has none of it
                         ax.plot(*zip(*pts, strict=True), style, color=f"C{i}",
                                 label=f"{names[id(x)]} ({which})")
             ax.set(title=name, xlabel="round", ylabel=name)

@@ -292,8 +292,8 @@ def make_local_update(model: ModelFns, algorithm: ClientAlgorithm,
             images, labels = data.images[idx], data.labels[idx]
             k_step = jax.random.fold_in(step_root, t)
             k_aug, k_loss = jax.random.split(k_step)
-            # The model's own randomness (dropout): a stream of its own, so that adding it left
-            # the augmentation and objective keys (and so earlier runs' results) unchanged.
+            # The model's own randomness (dropout): a stream of its own, so that the augmentation
+            # and objective keys are the same whether or not the model draws any.
             k_model = jax.random.fold_in(k_step, _MODEL_STREAM)
             views = [
                 augment_batch(jax.random.fold_in(k_aug, v), images, mean=s.mean, std=s.std,

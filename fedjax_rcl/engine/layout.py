@@ -39,13 +39,13 @@ from jax.extend import core as jex_core
 # - cpu: fitted by tools/fit_layout.py to the CPU layout table in BENCHMARKS.md ("Which client
 #   layout"): MOON's CNN (0.196 GFLOP at batch 50) fastest side by side; pfl's CNN (5.05),
 #   ResNet-10 at width 16 (4.85) and ResNet-18 (167) fastest one at a time; the geometric mean
-#   of 0.196 and 4.85 is 0.974. (MFCL's autoencoder, 45 GFLOP at batch 64, was measured faster
-#   one at a time too.)
-# - gpu: fitted by tools/fit_layout.py to the H200 layout table in BENCHMARKS.md ("Clients side
-#   by side on a GPU"): MOON's CNN (0.196 GFLOP) 1.38-1.61x and ResNet-10 at width 16 (4.85)
-#   1.23x faster side by side at 10-50 clients; ResNet-18 (167) 1.73x faster one at a time (its
-#   per-client weights make every convolution a grouped one). The geometric mean of 4.85 and
-#   167 is 28.4. Between 4.85 and 167 GFLOP (pfl's CNN, 5.05, is there) nothing is measured.
+#   of 0.196 and 4.85 is 0.974. (MFCL's autoencoder, 45 GFLOP at batch 64, is fastest one at a
+#   time too.)
+# - gpu: fitted by tools/fit_layout.py to the GPU layout table in BENCHMARKS.md ("Clients side
+#   by side on a GPU"): MOON's CNN (0.196 GFLOP) and ResNet-10 at width 16 (4.85) fastest side
+#   by side at 10-50 clients; ResNet-18 (167) fastest one at a time (its per-client weights make
+#   every convolution a grouped one). The geometric mean of 4.85 and 167 is 28.4. Between 4.85
+#   and 167 GFLOP (pfl's CNN, 5.05, is there) the table has no model.
 # - tpu: not measured; side by side.
 SIDE_BY_SIDE_BELOW_GFLOP = {"cpu": 0.97, "gpu": 28.4, "tpu": math.inf}
 

@@ -56,13 +56,13 @@ from fedjax_rcl.validation import ConfigError
 
 # What ``fedjax-rcl mfcl`` starts from before the YAML file and the overrides: MFCL's phase-1
 # setting (Adam 1e-3, batches of 64 view pairs, 10 clients all taking part, Dirichlet split
-# of MOON's kind; Twin Normalization, the paper's 64-channel client module) at a demo's size
-# that finishes in minutes on 2 CPU cores. A phase-1 step of that client module on 64 pairs of
-# 32x32 images costs 92 GFLOP (forward and backward; XLA's count), so the paper's 15 rounds
-# over all 1,438 digits (40 padded client steps a round) were 55 TFLOP and its full-width
-# server's 20 epochs 43 TFLOP more (BENCHMARKS.md times them). The demo keeps the
-# method and makes the run smaller: 600 training images, 3 rounds (20 padded steps each:
-# 5.5 TFLOP), a server of width 16 for 10 epochs of 3 steps (0.8 TFLOP). The paper's scale is
+# of MOON's kind; Twin Normalization, the paper's 64-channel client module) at a demo's size.
+# A phase-1 step of that client module on 64 pairs of 32x32 images costs 92 GFLOP (forward and
+# backward; XLA's count), so the paper's 15 rounds over all 1,438 digits (40 padded client
+# steps a round) would be 55 TFLOP and its full-width server's 20 epochs 43 TFLOP more
+# (BENCHMARKS.md times them). The demo keeps the method and makes the run about 15 times
+# smaller: 600 training images, 3 rounds (20 padded steps each: 5.5 TFLOP), a server of width
+# 16 for 10 epochs of 3 steps (0.8 TFLOP). The paper's scale is
 # experiments/mfcl/paper_cifar10.yaml, which sets each of these keys itself.
 MFCL_DEFAULTS = {
     "algorithm": "mfcl", "model": "mfcl_autoencoder", "norm": "twin", "num_clients": 10,

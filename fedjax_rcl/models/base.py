@@ -95,8 +95,8 @@ def model_fns(module: nn.Module, *, partitionable_init: bool = False) -> ModelFn
     """Wraps a module whose ``__call__(x, *, train)`` returns a ``ModelOutput``.
 
     ``partitionable_init``: draw the initial weights with threefry's partitionable layout
-    (JAX's default; the config's ``init_threefry_partitionable``), as the project's earliest
-    runs did.
+    (JAX's default; the config's ``init_threefry_partitionable``), to start from the weights
+    of a run recorded with it.
     """
 
     # Jitted: run eagerly, every layer's initialiser would compile on its own (seconds).
