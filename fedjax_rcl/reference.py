@@ -16,7 +16,7 @@ import re
 import typing
 from collections.abc import Callable
 
-from fedjax_rcl import registry
+from fedjax_rcl import builtins, registry
 from fedjax_rcl.config import WANDB_MODES, schema
 
 __all__ = ["KeyDoc", "attribute_docs", "keys", "markdown", "text"]
@@ -79,6 +79,7 @@ def _allowed() -> dict[str, Callable[[], tuple[str, ...]]]:
     from fedjax_rcl.losses.contrastive import MININGS
     from fedjax_rcl.server import AGGREGATIONS
 
+    builtins.load()
     return {"algorithm": lambda: tuple(registry.ALGORITHMS),
             "model": lambda: tuple(registry.MODELS),
             "server.optimizer": lambda: tuple(registry.SERVER_OPTIMIZERS),
@@ -94,7 +95,7 @@ def _allowed() -> dict[str, Callable[[], tuple[str, ...]]]:
 def _dataset_lines() -> str:
     """Each registered dataset's line (``registry.DatasetEntry.doc``), for the ``dataset``
     key: its module says what it is, the reference lists it."""
-    registry.load_builtin_datasets()
+    builtins.load()
     return "".join(f" ``{e.name}``: {e.doc.rstrip('.')}." for e in registry.DATASETS.values()
                    if e.doc)
 

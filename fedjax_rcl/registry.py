@@ -7,10 +7,10 @@ with defaults that becomes a key of the run config (``fedprox.mu``, ``server.fed
 type-checked by OmegaConf and value-checked by the section's own ``check``. ``fedjax_rcl.config``
 builds its schema from these entries and knows no particular algorithm, model or optimizer.
 
-Built-in entries register when their packages are imported (``load_builtins``: every module of
-``fedjax_rcl.datasets``, ``fedjax_rcl.algorithms``, ``fedjax_rcl.models`` and
-``fedjax_rcl.server``, then the ``fedjax_rcl.plugins`` entry-point group of installed packages):
-a new built-in is one module there. A user's module registers the same way and is named in the
+This module holds the tables and imports nothing of the package: ``fedjax_rcl.builtins``, above
+every package that registers, imports the built-in entries, the installed packages'
+``fedjax_rcl.plugins`` entry points and the user's plugin modules, and the lookups here read the
+tables as they are. A user's module registers the same way as a built-in one and is named in the
 run config, ``plugins: [my_algorithms]``, so that ``train``, ``resume`` and ``eval`` import it
 before reading the rest of the config::
 
@@ -32,21 +32,18 @@ before reading the rest of the config::
 
 A section may define ``check(self, ctx: CheckContext) -> list[str]``: one line per problem,
 ``"field=value: what is allowed"``; the config prefixes the section's key
-(``fedjax_rcl.validation`` has the context and helpers such as ``finite``).
+(``fedjax_rcl.validation`` has the context and helpers such as ``finite``). A section may not be
+named as a core key of the run config (``rounds``, ``lr``): the config's schema refuses it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-import importlib
-import importlib.metadata
 import os
-import pkgutil
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
-
-PLUGIN_GROUP = "fedjax_rcl.plugins"
 
 
 def _no_kwargs(settings) -> dict:
@@ -70,7 +67,8 @@ class AlgorithmEntry:
         2). The one place this is declared: it is known before the model is built.
       model_kwargs: ``settings -> dict`` of extra model arguments (MOON's projection head).
       origin: the ``plugins`` module whose import registered it (None: built in, an installed
-        entry point, or registered by the running program itself); see ``provided_by``.
+        entry point, or registered by the running program itself); set by ``owned_by``, see
+        ``provided_by``.
       command: the command that runs it (``train``; ``mfcl`` for MFCL's two phases, whose
         client algorithm is only phase 1).
     """
@@ -195,12 +193,6 @@ DATASETS: dict[str, DatasetEntry] = {}
 CHOICES: dict[str, ChoiceEntry] = {}
 # The prefix of a dataset spec that names an image folder (``imagefolder:PATH``).
 IMAGEFOLDER_PREFIX = "imagefolder:"
-# Config keys an algorithm section may not take (the run config's own top-level keys); set by
-# ``fedjax_rcl.config``.
-RESERVED_KEYS: set[str] = set()
-# The ``plugins`` module being imported by ``load_plugins`` (entries registered meanwhile are
-# its own: a run's config.yaml records only the sections of the plugins that run names).
-_importing_plugin: str | None = None
 # Bumped by every registration, so that the config schema is rebuilt when entries change.
 version = 0
 
@@ -225,8 +217,6 @@ def register_algorithm(name: str, build: Callable, *, config: type | None = None
                        command: str = "train", replace: bool = False) -> AlgorithmEntry:
     """Makes ``algorithm=name`` available (see ``AlgorithmEntry`` for the arguments)."""
     section = section or (name if config is not None else None)
-    if section in RESERVED_KEYS:
-        raise ValueError(f"algorithm {name!r}: section {section!r} is a core config key")
     if config is None and section is not None:
         owners = [e for e in ALGORITHMS.values() if e.section == section and e.config]
         if not owners:
@@ -238,7 +228,7 @@ def register_algorithm(name: str, build: Callable, *, config: type | None = None
             raise ValueError(f"algorithm {name!r}: section {section!r} belongs to "
                              f"{other.name!r} with another config type")
     entry = AlgorithmEntry(name, build, config, section, num_views,
-                           model_kwargs or _no_kwargs, _importing_plugin, command)
+                           model_kwargs or _no_kwargs, None, command)
     _add(ALGORITHMS, entry, "algorithm", replace)
     return entry
 
@@ -263,7 +253,7 @@ def register_server_optimizer(name: str, build: Callable, *, config: type | None
     """Makes ``server.optimizer=name`` available (see ``ServerOptimizerEntry``)."""
     if name in ("optimizer", "lr"):
         raise ValueError(f"server optimizer {name!r}: a core key of the server section")
-    entry = ServerOptimizerEntry(name, build, config, default_lr, _importing_plugin)
+    entry = ServerOptimizerEntry(name, build, config, default_lr)
     _add(SERVER_OPTIMIZERS, entry, "server optimizer", replace)
     return entry
 
@@ -281,7 +271,7 @@ def register_dataset(name: str, loader: Callable[..., Any], *, doc: str = "",
         raise TypeError(f"dataset {name!r}: loader must be callable, got {loader!r}")
     if (mean is None) != (std is None):
         raise ValueError(f"dataset {name!r}: give both mean and std, or neither")
-    entry = DatasetEntry(name, loader, _importing_plugin, doc,
+    entry = DatasetEntry(name, loader, None, doc,
                          None if mean is None else tuple(float(m) for m in mean),
                          None if std is None else tuple(float(x) for x in std),
                          recognise, check)
@@ -298,77 +288,32 @@ def register_choices(name: str, values, *, check: Callable[[str], str | None] | 
 
 
 def choices(name: str) -> ChoiceEntry:
-    """The entry of the config key ``name``'s values (after the built-ins registered them)."""
-    load_builtins()
-    return CHOICES[name]
+    """The entry of the config key ``name``'s values (KeyError naming the keys that have one)."""
+    try:
+        return CHOICES[name]
+    except KeyError:
+        raise KeyError(f"config key {name!r} has no registered values (registered: "
+                       f"{', '.join(CHOICES) or 'none'}; fedjax_rcl.builtins.load() registers "
+                       "the built-in ones)") from None
 
 
-def import_modules(package: str) -> None:
-    """Imports every module of a package whose name does not start with ``_`` (so that each
-    registers itself)."""
-    pkg = importlib.import_module(package)
-    for info in pkgutil.iter_modules(pkg.__path__):
-        if not info.name.startswith("_"):
-            importlib.import_module(f"{package}.{info.name}")
-
-
-_builtins_loaded = False
-_datasets_loaded = False
-
-
-def load_builtin_datasets() -> None:
-    """Imports every built-in dataset module (``fedjax_rcl.datasets``; light: each imports its
-    source only to load), once."""
-    global _datasets_loaded
-    if not _datasets_loaded:
-        _datasets_loaded = True
-        import_modules("fedjax_rcl.datasets")
-
-
-def load_builtins() -> None:
-    """Imports every built-in algorithm, model, server optimizer and dataset module, and the
-    installed packages' ``fedjax_rcl.plugins`` entry points (once)."""
-    global _builtins_loaded
-    if _builtins_loaded:
-        return
-    _builtins_loaded = True
-    load_builtin_datasets()
-    for package in ("fedjax_rcl.algorithms", "fedjax_rcl.models", "fedjax_rcl.server"):
-        import_modules(package)
-    for ep in importlib.metadata.entry_points(group=PLUGIN_GROUP):
-        ep.load()
-
-
-def load_plugins(names, search=()) -> list[str]:
-    """Imports the user's modules named in ``plugins`` (dotted module names), looked up on
-    ``sys.path``, in the current directory (as ``python -m`` would) and in the directories
-    ``search``. Returns one problem line per module that cannot be imported, with a hint
-    where to run from."""
-    global _importing_plugin
-    load_builtins()  # first: a plugin's own imports must not make built-ins its entries
-    problems = []
-    for folder in (os.getcwd(), *search):
-        if folder and folder not in sys.path:
-            sys.path.append(folder)
-    for name in names or ():
-        if not isinstance(name, str) or not name:
-            problems.append(f"plugins: {name!r}: give a module name such as my_algorithms")
-            continue
-        _importing_plugin = name
-        try:
-            importlib.import_module(name)
-        except Exception as e:  # a plugin's import error, whatever it is, is a config problem
-            first = str(e).splitlines()[0] if str(e) else ""
-            hint = ""
-            if isinstance(e, ModuleNotFoundError) and e.name == name.split(".")[0]:
-                looked = ", ".join(dict.fromkeys((os.getcwd(), *search)))
-                hint = (f"; looked in {looked} and on sys.path: run from the directory that "
-                        "holds it, or add that directory to PYTHONPATH")
-            problems.append(f"plugins: cannot import {name!r} ({type(e).__name__}: {first})"
-                            f"{hint}")
-        finally:
-            _importing_plugin = None
-    return problems
+@contextlib.contextmanager
+def owned_by(module: str) -> Iterator[None]:
+    """Makes ``module`` the ``origin`` of every entry registered or replaced inside the block
+    (a plugin's import): found by comparing the tables before and after, so that registering
+    takes no owner and keeps none. The tables then hold a copy of such an entry with its
+    origin set (what ``register_*`` returned has none)."""
+    global version
+    tables = (ALGORITHMS, SERVER_OPTIMIZERS, DATASETS)  # those whose entries have an origin
+    before = [dict(t) for t in tables]
+    try:
+        yield
+    finally:
+        for table, old in zip(tables, before, strict=True):
+            for key, entry in list(table.items()):
+                if old.get(key) is not entry and entry.origin is None:
+                    table[key] = dataclasses.replace(entry, origin=module)
+                    version += 1
 
 
 def plugin_dirs(names) -> dict[str, str]:
@@ -398,7 +343,6 @@ def provided_by(entry, plugins) -> bool:
 
 def algorithm(name: str) -> AlgorithmEntry:
     """The entry of ``algorithm=name`` (ValueError naming the allowed values)."""
-    load_builtins()
     try:
         return ALGORITHMS[name]
     except KeyError:
@@ -407,7 +351,6 @@ def algorithm(name: str) -> AlgorithmEntry:
 
 def model(name: str) -> ModelEntry:
     """The entry of ``model=name`` (ValueError naming the allowed values)."""
-    load_builtins()
     try:
         return MODELS[name]
     except KeyError:
@@ -416,7 +359,6 @@ def model(name: str) -> ModelEntry:
 
 def server_optimizer(name: str) -> ServerOptimizerEntry:
     """The entry of ``server.optimizer=name`` (ValueError naming the allowed values)."""
-    load_builtins()
     try:
         return SERVER_OPTIMIZERS[name]
     except KeyError:

@@ -99,9 +99,9 @@ class Run:
 
 
 def _section(algorithm) -> str:
-    from fedjax_rcl import registry
+    from fedjax_rcl import builtins, registry
 
-    registry.load_builtins()
+    builtins.load()
     entry = registry.ALGORITHMS.get(str(algorithm))
     return (entry.section or entry.name) if entry is not None else str(algorithm)
 

@@ -135,9 +135,9 @@ def fresh_registry():
     import importlib
     import sys
 
-    from fedjax_rcl import registry
+    from fedjax_rcl import builtins, registry
 
-    registry.load_builtins()
+    builtins.load()
     tables = (registry.ALGORITHMS, registry.MODELS, registry.SERVER_OPTIMIZERS,
               registry.DATASETS)
     saved = [dict(t) for t in tables]

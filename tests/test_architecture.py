@@ -5,6 +5,11 @@ importing module to the module it names (``from fedjax_rcl.x import y`` names th
 ``fedjax_rcl.x.y`` when that is one, else ``fedjax_rcl.x``). Each module belongs to one layer
 of ``LAYERS``; an arrow may point within its layer or down, never up. A new module must be given
 a layer here, which is the moment to decide where it belongs.
+
+An import by a computed name (``importlib.import_module``, ``__import__``) is no import
+statement, so the graph would not see it: only the modules of ``DYNAMIC_IMPORTS`` make one, and
+none names a module of the package by a literal or an f-string, which an import statement says
+where the graph sees it.
 """
 
 from __future__ import annotations
@@ -23,6 +28,9 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("server", ("server",)),
     ("engine", ("engine", "checkpoint")),
     ("algorithms", ("algorithms",)),
+    # Imports every package that registers what the config can name (the registry, at the
+    # bottom, imports none of them).
+    ("built-ins", ("builtins",)),
     ("config", ("tracking", "config")),
     ("experiment", ("experiment", "mfcl", "report", "reference")),
     ("loop", ("loop",)),
@@ -32,6 +40,53 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     # outside it imports it (test_the_simulator_never_imports_the_benchmark_kit).
     ("benchmark kit", ("bench",)),
 ]
+
+
+# The modules that import by a computed name, and what they import so. In these, each string that
+# is exactly the dotted name of a module of the package is an arrow too.
+DYNAMIC_IMPORTS = {
+    "": "the lazy names of ``import fedjax_rcl`` (``_EXPORTS``, module names as strings)",
+    "builtins": "the user's plugin modules that a config names (never one of the package)",
+}
+# The calls that import by a computed name.
+IMPORT_CALLS = ("import_module", "__import__")
+# The calls that register what the config can name (``fedjax_rcl.registry``).
+REGISTER_CALLS = ("register_algorithm", "register_model", "register_server_optimizer",
+                  "register_dataset", "register_choices")
+
+
+def _called(node: ast.AST) -> str | None:
+    """The name of the function a call calls (``f`` of ``f(...)`` and of ``m.f(...)``)."""
+    if not isinstance(node, ast.Call):
+        return None
+    if isinstance(node.func, ast.Attribute):
+        return node.func.attr
+    return node.func.id if isinstance(node.func, ast.Name) else None
+
+
+def dynamic_imports(tree: ast.AST) -> list[tuple[int, str | None]]:
+    """Each import by a computed name in ``tree``: its line and the literal start of the name
+    (the whole literal, or an f-string's leading text; None: nothing literal)."""
+    out = []
+    for node in ast.walk(tree):
+        if _called(node) not in IMPORT_CALLS:
+            continue
+        args = [*node.args, *(k.value for k in node.keywords if k.arg == "name")]
+        arg = args[0] if args else None
+        text = None
+        if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
+            text = arg.value
+        elif isinstance(arg, ast.JoinedStr) and arg.values and isinstance(
+                arg.values[0], ast.Constant):
+            text = arg.values[0].value
+        out.append((node.lineno, text))
+    return out
+
+
+def _names_the_package(text: str | None) -> bool:
+    """Whether the literal start of an imported name is (or begins) a name in the package."""
+    return text is not None and (text.startswith("fedjax_rcl") or (
+        bool(text) and "fedjax_rcl.".startswith(text)))
 
 
 def module_names() -> dict[str, Path]:
@@ -68,6 +123,10 @@ def import_graph() -> dict[str, set[str]]:
                 targets = [a.name for a in node.names]
             elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
                 targets = [f"{node.module}.{a.name}" for a in node.names]
+            if name in DYNAMIC_IMPORTS and isinstance(node, ast.Constant) and isinstance(
+                    node.value, str) and node.value.startswith("fedjax_rcl."):
+                if node.value[len("fedjax_rcl."):] in modules:
+                    targets = [node.value]
             for t in targets:
                 resolved = _resolve(t, modules)
                 if resolved is not None and resolved != name:
@@ -148,6 +207,36 @@ def test_the_simulator_never_imports_the_benchmark_kit():
     assert arrows == []
 
 
+def test_no_import_by_a_computed_name_but_where_sanctioned():
+    """An import the graph cannot see: by a literal or an f-string naming a module of the
+    package nowhere (an import statement says it), by a computed name only in the modules of
+    ``DYNAMIC_IMPORTS``."""
+    bad = []
+    for module, path in sorted(module_names().items()):
+        for line, text in dynamic_imports(ast.parse(path.read_text(), str(path))):
+            if _names_the_package(text) or module not in DYNAMIC_IMPORTS:
+                bad.append(f"{path.relative_to(PACKAGE.parent)}:{line} imports "
+                           f"{text + '...' if text is not None else 'a computed name'}")
+    assert bad == []
+
+
+def test_the_built_ins_reach_every_module_that_registers():
+    """``fedjax_rcl.builtins`` imports, directly or through the packages' lists, every module
+    that registers something the config can name: one the lists forget would be unknown to
+    the config."""
+    graph = import_graph()
+    registering = {m for m, path in module_names().items()
+                   if any(_called(n) in REGISTER_CALLS
+                          for n in ast.walk(ast.parse(path.read_text(), str(path))))}
+    reached, todo = set(), ["builtins"]
+    while todo:
+        m = todo.pop()
+        if m not in reached:
+            reached.add(m)
+            todo.extend(graph[m])
+    assert registering and sorted(registering - reached) == []
+
+
 def test_the_checks_see_a_cycle_and_a_back_arrow():
     """The checks themselves: a planted cycle and a planted back-arrow are found."""
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}
@@ -158,3 +247,12 @@ def test_the_checks_see_a_cycle_and_a_back_arrow():
     assert _resolve("fedjax_rcl.engine.round.make_round", modules) == "engine.round"
     assert _resolve("fedjax_rcl.data.ImageDataset", modules) == "data"
     assert _resolve("numpy", modules) is None
+    planted = ast.parse('importlib.import_module("fedjax_rcl.models.resnet")\n'
+                        'import_module(f"fedjax_rcl.{name}")\n'
+                        '__import__(name="fedjax_rcl")\n'
+                        'importlib.import_module(f"{package}.{name}")\n'
+                        'importlib.import_module("tensorboardX")\n')
+    found = dynamic_imports(planted)
+    assert found == [(1, "fedjax_rcl.models.resnet"), (2, "fedjax_rcl."), (3, "fedjax_rcl"),
+                     (4, None), (5, "tensorboardX")]
+    assert [_names_the_package(t) for _, t in found] == [True, True, True, False, False]

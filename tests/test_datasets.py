@@ -1,7 +1,9 @@
 """A built-in dataset is one module of ``fedjax_rcl.datasets``: it registers itself through
 ``registry.register_dataset``, as a plugin's dataset does, with its loader, its normalisation and
-its line of the configuration reference, and nothing else in the package names it."""
+its line of the configuration reference, and nothing but the package's list of its modules
+names it."""
 
+import importlib
 import sys
 
 import numpy as np
@@ -14,7 +16,8 @@ from fedjax_rcl import reference, registry
 from fedjax_rcl.config import load_config
 from fedjax_rcl.data import DataError, load_dataset
 
-# The whole of a new built-in dataset: one module, dropped into fedjax_rcl/datasets/.
+# The whole of a new built-in dataset: one module in fedjax_rcl/datasets/ (and its name in the
+# package's list).
 TOY_MODULE = '''
 """``dataset=toy_stripes``: two classes of generated 16x16 stripes (horizontal, vertical)."""
 
@@ -51,16 +54,16 @@ registry.register_dataset("toy_stripes", load, mean=MEAN, std=STD,
 
 @pytest.fixture
 def toy_builtin(tmp_path, monkeypatch):
-    """``fedjax_rcl/datasets/`` with the toy module in it (a second folder of the package), and
-    the built-in datasets scanned afresh, as a new process would."""
+    """``fedjax_rcl/datasets/`` with the toy module in it (a second folder of the package),
+    imported as the package imports the modules it lists; the registry's datasets are restored
+    after."""
     folder = tmp_path / "more_datasets"
     folder.mkdir()
     (folder / "toy_stripes.py").write_text(TOY_MODULE)
     monkeypatch.setattr(fedjax_rcl.datasets, "__path__",
                         [*fedjax_rcl.datasets.__path__, str(folder)])
-    registry.load_builtin_datasets()  # the real built-ins first, kept in the copy below
     monkeypatch.setattr(registry, "DATASETS", dict(registry.DATASETS))
-    monkeypatch.setattr(registry, "_datasets_loaded", False)
+    importlib.import_module("fedjax_rcl.datasets.toy_stripes")  # its line in the list
     yield
     sys.modules.pop("fedjax_rcl.datasets.toy_stripes", None)
 
@@ -68,16 +71,16 @@ def toy_builtin(tmp_path, monkeypatch):
 def test_every_built_in_dataset_is_one_module_that_registers_it():
     import pkgutil
 
-    registry.load_builtin_datasets()
     modules = [m.name for m in pkgutil.iter_modules(fedjax_rcl.datasets.__path__)]
     assert sorted(modules) == ["cifar10", "cifar100", "digits", "tiny_imagenet"]
+    assert sorted(fedjax_rcl.datasets.__all__) == sorted(modules)  # the package lists them all
     for name in modules:
         entry = registry.DATASETS[name]
         assert entry.loader.__module__ == f"fedjax_rcl.datasets.{name}"
         assert entry.doc and entry.origin is None
 
 
-def test_a_new_built_in_dataset_is_one_file(toy_builtin, tmp_path, capsys):
+def test_a_new_built_in_dataset_is_one_module(toy_builtin, tmp_path, capsys):
     # Named by a config, checked, and listed in the reference with its line.
     cfg = load_config(None, ["dataset=toy_stripes"])
     assert cfg.dataset == "toy_stripes"

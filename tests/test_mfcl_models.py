@@ -239,8 +239,7 @@ def test_server_batchnorm_statistics_are_state_updated_in_training():
 
 
 def test_registered_and_built_by_get_model():
-    registry.load_builtins()
-    entry = registry.MODELS["mfcl_autoencoder"]
+    entry = registry.MODELS["mfcl_autoencoder"]  # registered by fedjax_rcl.models
     assert entry.num_levels == 1 and entry.norms == ("twin", "group", "batch")
     module = get_model("mfcl_autoencoder", num_classes=10, norm="group")
     assert isinstance(module, Autoencoder) and module.norm == "group"

@@ -197,9 +197,9 @@ def test_model_fns_init_uses_the_chosen_threefry_layout(partitionable):
 
 
 def _builtin_models():
-    from fedjax_rcl import registry
+    from fedjax_rcl import builtins, registry
 
-    registry.load_builtins()
+    builtins.load()
     return [n for n, e in registry.MODELS.items() if e.build.__module__.startswith("fedjax_rcl.")]
 
 
@@ -228,3 +228,19 @@ def test_each_model_states_the_smallest_input_it_takes(name):
         except (ValueError, TypeError, ZeroDivisionError):
             return
         assert any(0 in shape for shape in shapes), shapes
+
+
+def test_validating_model_and_norm_imports_no_model_module():
+    """The config checks ``model=`` and ``norm=`` against the models' registry entries, which
+    the models package declares without importing any model's code (a fresh process: this
+    one has imported them)."""
+    import subprocess
+    import sys
+
+    code = ("import sys\n"
+            "from fedjax_rcl.config import load_config\n"
+            "load_config(None, ['model=resnet18', 'norm=batch'])\n"
+            "print(sorted(m for m in sys.modules if m.startswith('fedjax_rcl.models')))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout
+    assert out.split() == ["['fedjax_rcl.models',", "'fedjax_rcl.models.base']"]

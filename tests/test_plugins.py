@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from fedjax_rcl import registry
+from fedjax_rcl import builtins, registry
 from fedjax_rcl.cli import main
 
 PLUGINS_DOC = Path(__file__).resolve().parents[1] / "docs" / "plugins.md"
@@ -134,7 +134,7 @@ def test_a_runs_record_omits_the_sections_of_plugins_it_does_not_name(user_dir, 
     still read back in a fresh process that knows only the plugins this run names."""
     from fedjax_rcl.config import load_config, to_yaml
 
-    assert registry.load_plugins(["my_algorithms"]) == []
+    assert builtins.load_plugins(["my_algorithms"]) == []
     assert registry.ALGORITHMS["label_smoothing"].origin == "my_algorithms"
     assert registry.ALGORITHMS["fedrcl"].origin is None
     without = to_yaml(load_config(None, ["dataset=digits"]))
@@ -147,7 +147,9 @@ def test_a_runs_record_omits_the_sections_of_plugins_it_does_not_name(user_dir, 
     assert capsys.readouterr().out == without
 
 
-def test_registering_a_taken_name_is_refused():
+def test_registering_a_taken_name_is_refused(fresh_registry):
+    from fedjax_rcl.config import schema
+
     with pytest.raises(ValueError, match="already registered"):
         registry.register_algorithm("fedavg", lambda s, m: None)
 
@@ -155,9 +157,13 @@ def test_registering_a_taken_name_is_refused():
     class Section:
         x: int = 0
 
-    with pytest.raises(ValueError, match="core config key"):
-        registry.register_algorithm("x_alg", lambda s, m: None, config=Section, section="rounds")
-    assert "x_alg" not in registry.ALGORITHMS
+    # A section named as a core key: the config's schema, which knows the core keys, refuses it.
+    registry.register_algorithm("x_alg", lambda s, m: None, config=Section, section="rounds")
+    with pytest.raises(ValueError, match="algorithm 'x_alg': section 'rounds' is a core config "
+                                         "key"):
+        schema()
+    fresh_registry()
+    assert "x_alg" not in registry.ALGORITHMS and schema() is not None
 
 
 def _readme_dataset_example() -> str:
@@ -220,7 +226,7 @@ def test_a_dataset_loaders_arrays_are_checked(tmp_path):
             from_arrays("mine", {**good, **change})
     with pytest.raises(DataError, match="lacks class_names"):
         from_arrays("mine", {k: v for k, v in good.items() if k != "class_names"})
-    registry.load_builtins()  # (run alone, nothing has registered the built-ins yet)
+    builtins.load()  # (run alone, nothing has registered the built-ins yet)
     with pytest.raises(ValueError, match="already registered"):  # the built-in's name
         registry.register_dataset("cifar10", lambda: good)
 

@@ -2,9 +2,9 @@
 
 Each module defines its local objective (a factory of pure functions returning a
 ``ClientAlgorithm``), its config section (a dataclass with defaults and a ``check``) and
-registers both with ``fedjax_rcl.registry.register_algorithm``; ``registry.load_builtins``
-imports every module of this package, so a new algorithm is one new module here (and its
-test). The engine never names an algorithm.
+registers both with ``fedjax_rcl.registry.register_algorithm``. Importing this package registers
+them all (the list below), so a new algorithm is one new module here, its line below and its
+test. The engine never names an algorithm.
 """
 
 from __future__ import annotations
@@ -17,8 +17,22 @@ from fedjax_rcl.algorithms.fedrcl import fedrcl, fedscl
 from fedjax_rcl.algorithms.moon import moon
 from fedjax_rcl.engine.algorithm import Batch, ClientAlgorithm, LocalContext, Objective
 
-# The other modules of this package (each registers itself): a new algorithm is a new module.
-registry.import_modules(__name__)
+# isort: split
+# Every built-in algorithm's module registers itself when imported: these and the five imported
+# above for their names are all of them (a new algorithm is a new module and a name here). The
+# order is the registry's, which the configuration reference and a run's config.yaml follow.
+from fedjax_rcl.algorithms import (  # noqa: F401
+    feddecorr,
+    feddyn,
+    fedlc,
+    fedmlb,
+    fedntd,
+    fedproc,
+    fitnet,
+    mfcl,
+    scaffold,
+)
+
 # Every registered algorithm by name (built-in and the user's), a live view of the registry.
 ALGORITHMS = registry.ALGORITHMS
 

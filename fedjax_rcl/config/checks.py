@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from fedjax_rcl import registry
+from fedjax_rcl import builtins, registry
 from fedjax_rcl.config.schema import CoreConfig, SweepConfig, field_type
 from fedjax_rcl.config.sweeps import SHAPE_SETTINGS, SWEEPABLE, is_grid, with_setting
 from fedjax_rcl.validation import CheckContext, ConfigError, finite, one_of, require
@@ -152,7 +152,7 @@ def validate(cfg: CoreConfig, *, check_data: bool = True) -> None:
     from fedjax_rcl.engine.tables import CLIENT_TABLES
     from fedjax_rcl.server import AGGREGATIONS
 
-    registry.load_builtins()
+    builtins.load()
     norms = registry.choices("norm").values
     models, algorithms = registry.MODELS, registry.ALGORITHMS
     p: list[str] = []

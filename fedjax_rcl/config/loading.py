@@ -12,7 +12,7 @@ import re
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
-from fedjax_rcl import registry
+from fedjax_rcl import builtins
 from fedjax_rcl.config.checks import unread_settings, validate
 from fedjax_rcl.config.schema import CoreConfig, field_type, schema, section_type
 from fedjax_rcl.config.sweeps import sweep_overrides
@@ -173,7 +173,7 @@ def load_config(path: str | None = None, overrides: list[str] | tuple[str, ...] 
         raise ConfigError([f"override {o!r}: expected key=value" for o in bad])
     overrides = [_plugin_override(o) for o in overrides]
     try:
-        plugin_problems = registry.load_plugins(_plugins_named(layers, list(overrides)),
+        plugin_problems = builtins.load_plugins(_plugins_named(layers, list(overrides)),
                                                 search=plugin_dirs)
     except OmegaConfBaseException as e:
         plugin_problems = [f"plugins: {str(e).splitlines()[0]}"]

@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 
 from omegaconf import OmegaConf
 
-from fedjax_rcl import registry
-from fedjax_rcl.validation import one_of
+from fedjax_rcl import builtins, registry
+from fedjax_rcl.validation import ConfigError, one_of
 
 
 @dataclass
@@ -260,18 +260,23 @@ class CoreConfig:
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
 
 
-def _reserve_core_keys() -> None:
-    registry.RESERVED_KEYS.update(f.name for f in dataclasses.fields(CoreConfig))
-
-
 def schema() -> type:
     """The run config's dataclass: ``CoreConfig`` plus one section per registered algorithm
     (top-level key) and server optimizer (``server.<name>``), rebuilt when the registry
-    changes. ``Config`` is this class."""
-    _reserve_core_keys()
-    registry.load_builtins()
+    changes. ``Config`` is this class.
+
+    Raises:
+      ConfigError: an algorithm's section is named as a core key (``rounds``, ``lr``).
+    """
+    builtins.load()
     if _schema_cache[0] == registry.version:
         return _schema_cache[1]
+    core = {f.name for f in dataclasses.fields(CoreConfig)}
+    taken = [f"algorithm {e.name!r}: section {e.section!r} is a core config key (register it "
+             "with another section name)"
+             for e in registry.ALGORITHMS.values() if e.config is not None and e.section in core]
+    if taken:
+        raise ConfigError(taken)
     sections = {}
     for entry in registry.ALGORITHMS.values():
         if entry.config is not None:

@@ -55,13 +55,14 @@ def by_class_pattern(pattern: str, num_classes: int,
 def recognise(class_names: Sequence[str], image_shape: Sequence[int]
               ) -> registry.DatasetEntry | None:
     """The registered dataset with fixed constants that an image folder with these classes and
-    ``(H, W, C)`` images holds, or None.
+    ``(H, W, C)`` images holds, or None. Reads the registry as it is (the built-in datasets
+    import this module; ``fedjax_rcl.data.sources`` has registered them before it loads a
+    folder).
 
     >>> recognise(["cat", "dog", "airplane", "automobile", "bird", "deer", "frog", "horse",
     ...            "ship", "truck"], (32, 32, 3)).name
     'cifar10'
     """
-    registry.load_builtin_datasets()
     for entry in registry.DATASETS.values():
         if entry.recognise is not None and entry.mean is not None and entry.recognise(
                 tuple(class_names), tuple(image_shape)):

@@ -48,7 +48,8 @@ __all__ = [
 def _parse_spec(spec: str) -> tuple[registry.DatasetEntry | None, str | None]:
     """``spec`` -> ``(entry, None)`` for a registered dataset, ``(None, path)`` for an image
     folder."""
-    registry.load_builtin_datasets()
+    import fedjax_rcl.datasets  # noqa: F401  (registers the built-in datasets)
+
     allowed = (f"{', '.join(map(repr, registry.DATASETS))} or '{registry.IMAGEFOLDER_PREFIX}PATH' "
                "(a directory or .zip), or a dataset a plugin registers")
     if not isinstance(spec, str):

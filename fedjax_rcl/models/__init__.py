@@ -1,6 +1,20 @@
-"""Models that return logits and multi-level features (``ModelOutput``)."""
+"""Models that return logits and multi-level features (``ModelOutput``), and the built-in ones'
+registry entries.
+
+Each built-in model is registered here with what the config checks before anything is built --
+its feature levels, the norms it takes, whether ``width=`` applies, its FedMLB blocks and its
+smallest input -- and a builder that imports the model's module only when it builds, so that
+validating ``model=`` or ``norm=`` imports no model code (a plugin's model registers from its
+own module instead). ``tests/test_backbones.py`` and ``tests/test_models.py`` hold these
+declarations to the models themselves. The model classes (``ResNet``, ``VGG9``, ...) are
+attributes of this package, imported on first use.
+"""
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
 
 import flax.linen as nn
 
@@ -13,22 +27,135 @@ from fedjax_rcl.models.base import (
     model_fns,
     spatial_mean,
 )
-from fedjax_rcl.models.cnn import SmallCNN
-from fedjax_rcl.models.mobilenet import MobileNetV2
-from fedjax_rcl.models.pfl_cnn import PflCNN
-from fedjax_rcl.models.resnet import (
-    BasicBlock,
-    Bottleneck,
-    ResNet,
-    resnet10,
-    resnet18,
-    resnet34,
-    resnet50,
-)
-from fedjax_rcl.models.shufflenet import ShuffleNet
-from fedjax_rcl.models.shufflenet_v2 import ShuffleNetV2
-from fedjax_rcl.models.squeezenet import SqueezeNet
-from fedjax_rcl.models.vgg import VGG9
+
+
+# One loader per model module: imports and returns it (a static import, which the import
+# graph of tests/test_architecture.py sees).
+def _cnn() -> ModuleType:
+    from fedjax_rcl.models import cnn
+
+    return cnn
+
+
+def _mfcl() -> ModuleType:
+    from fedjax_rcl.models import mfcl
+
+    return mfcl
+
+
+def _mobilenet() -> ModuleType:
+    from fedjax_rcl.models import mobilenet
+
+    return mobilenet
+
+
+def _pfl_cnn() -> ModuleType:
+    from fedjax_rcl.models import pfl_cnn
+
+    return pfl_cnn
+
+
+def _resnet() -> ModuleType:
+    from fedjax_rcl.models import resnet
+
+    return resnet
+
+
+def _shufflenet() -> ModuleType:
+    from fedjax_rcl.models import shufflenet
+
+    return shufflenet
+
+
+def _shufflenet_v2() -> ModuleType:
+    from fedjax_rcl.models import shufflenet_v2
+
+    return shufflenet_v2
+
+
+def _squeezenet() -> ModuleType:
+    from fedjax_rcl.models import squeezenet
+
+    return squeezenet
+
+
+def _vgg() -> ModuleType:
+    from fedjax_rcl.models import vgg
+
+    return vgg
+
+
+def _lazy(load: Callable[[], ModuleType], attr: str = "build", **fixed) -> Callable:
+    """A registry builder that imports its model's module when it builds: ``load()`` returns
+    the module, whose ``attr(num_classes, **fixed, **options)`` builds the model."""
+
+    def build(num_classes, **options):
+        return getattr(load(), attr)(num_classes, **fixed, **options)
+
+    return build
+
+
+_NORMS = ("group", "batch", "twin")
+# Levels: the two conv outputs and the two hidden dense outputs, pre-ReLU. Blocks (FedMLB):
+# conv1+pool, conv2+pool, fc1, fc2.
+# Smallest input: two valid 5x5 convolutions, each followed by a 2x2 pool: H -> (H - 4) // 2
+# -> ((H - 4) // 2 - 4) // 2 >= 1 needs H >= 16 (at 14 and 15 the second pool is empty; below,
+# the second convolution does not fit).
+registry.register_model("cnn", _lazy(_cnn), num_levels=4, norms=("group",), num_blocks=4,
+                        min_input_size=16)
+# MOON's tables train every method on its ``ModelFedCon(simple-cnn)``: the same CNN, then the
+# projection head (84 -> 84 -> 256 by default, ``moon.projection_dim`` under MOON) and the
+# classifier on the projection's output.
+registry.register_model("moon_cnn", _lazy(_cnn, "build_fedcon"), num_levels=4,
+                        norms=("group",), num_blocks=4, min_input_size=16)
+# Smallest input: every convolution is padded (a stride-2 3x3 with padding 1 maps H to
+# (H + 1) // 2 >= 1), and there is no pool before the global mean: any H >= 1.
+registry.register_model("mobilenet_v2", _lazy(_mobilenet), num_levels=7, norms=_NORMS,
+                        num_blocks=7, min_input_size=1)
+# Smallest input: two valid 3x3 convolutions and a 2x2 pool: (H - 4) // 2 >= 1, H >= 6.
+registry.register_model("pfl_cnn", _lazy(_pfl_cnn), num_levels=3, norms=("group",),
+                        num_blocks=3, min_input_size=6)
+for _depth in (10, 18, 34, 50):
+    # Levels: the stem's normalised output and each stage's output (FedRCL's five levels).
+    # Blocks (FedMLB): the stem and the four stages, as the FedMLB authors cut ResNet-18.
+    # Smallest input: the CIFAR stem has no pool, and the stride-2 stages' 3x3 (padding 1)
+    # and 1x1 shortcut convolutions map H to (H + 1) // 2 >= 1: any H >= 1.
+    registry.register_model(f"resnet{_depth}", _lazy(_resnet, depth=_depth), num_levels=5,
+                            norms=_NORMS, width=True, num_blocks=5, min_input_size=1)
+# Smallest input: the stride-2 depthwise convolutions and the shortcut's 3x3 average pool are
+# padded by 1 (H -> (H + 1) // 2 >= 1): any H >= 1.
+registry.register_model("shufflenet", _lazy(_shufflenet), num_levels=4, norms=_NORMS,
+                        num_blocks=4, min_input_size=1)
+# Smallest input: the stride-2 depthwise convolutions are padded by 1 (H -> (H + 1) // 2 >= 1),
+# and there is no pool before the global mean: any H >= 1.
+registry.register_model("shufflenet_v2", _lazy(_shufflenet_v2), num_levels=4, norms=_NORMS,
+                        num_blocks=4, min_input_size=1)
+# Smallest input: three 2x2 max-pools (the stem's, after fire4 and after fire8); the padded
+# convolutions keep the size: H // 8 >= 1, H >= 8.
+registry.register_model("squeezenet", _lazy(_squeezenet), num_levels=8, norms=_NORMS,
+                        num_blocks=8, min_input_size=8)
+# Smallest input: three 2x2 pools, then the adaptive pool to 4x4 needs H // 8 >= 4 (and a
+# multiple of 4): H >= 32.
+registry.register_model("vgg9", _lazy(_vgg), num_levels=6, norms=_NORMS, num_blocks=6,
+                        min_input_size=32)
+# MFCL's autoencoder (its phase 1). Smallest input: the client module's 2x2 max-pool (its
+# convolutions are padded): H >= 2 (and even, which the module itself checks).
+registry.register_model("mfcl_autoencoder", _lazy(_mfcl), num_levels=1,
+                        norms=("twin", "group", "batch"), min_input_size=2)
+
+# The model classes and constructors this package offers, by the loader of their module.
+_LAZY_EXPORTS: dict[str, Callable[[], ModuleType]] = {
+    "BasicBlock": _resnet, "Bottleneck": _resnet, "ResNet": _resnet, "resnet10": _resnet,
+    "resnet18": _resnet, "resnet34": _resnet, "resnet50": _resnet, "SmallCNN": _cnn,
+    "MobileNetV2": _mobilenet, "PflCNN": _pfl_cnn, "ShuffleNet": _shufflenet,
+    "ShuffleNetV2": _shufflenet_v2, "SqueezeNet": _squeezenet, "VGG9": _vgg,
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY_EXPORTS:
+        return getattr(_LAZY_EXPORTS[name](), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def get_model(name: str, *, num_classes: int, conv_impl: str = "auto", norm: str = "group",
@@ -37,8 +164,9 @@ def get_model(name: str, *, num_classes: int, conv_impl: str = "auto", norm: str
     """Builds a registered model (``fedjax_rcl.registry``) by its config name.
 
     Args:
-      name: a registered model (built in: cnn, pfl_cnn, resnet10, resnet18, resnet34,
-        resnet50, vgg9, mobilenet_v2, squeezenet, shufflenet, shufflenet_v2).
+      name: a registered model (built in: cnn, moon_cnn, pfl_cnn, resnet10, resnet18, resnet34,
+        resnet50, vgg9, mobilenet_v2, squeezenet, shufflenet, shufflenet_v2,
+        mfcl_autoencoder).
       num_classes: size of the classifier output.
       conv_impl: ``"auto" | "cpu" | "patches" | "rows" | "native"`` (see ``fedjax_rcl.nn.conv``).
       norm: normalization kind for models that have one (the CNN has none).

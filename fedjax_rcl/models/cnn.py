@@ -14,7 +14,6 @@ from fedjax_rcl.models.base import ModelOutput
 from fedjax_rcl.models.parts import head
 from fedjax_rcl.nn.conv import torch_conv, torch_dense
 from fedjax_rcl.nn.pool import max_pool
-from fedjax_rcl.registry import register_model
 
 
 class SmallCNN(nn.Module):
@@ -60,30 +59,20 @@ class SmallCNN(nn.Module):
                     classify_projection=self.classify_projection)
 
 
-def _build(num_classes, *, conv_impl="auto", norm="group", width=None, projection_dim=None):
+def build(num_classes, *, conv_impl="auto", norm="group", width=None, projection_dim=None):
+    """The builder of ``model=cnn`` (registered by ``fedjax_rcl.models``)."""
     if width is not None:
         raise ValueError(f"width={width}: model=cnn has a fixed width")
     del norm  # no normalization layers; "group" is the config's default
     return SmallCNN(num_classes, conv_impl=conv_impl, projection_dim=projection_dim)
 
 
-def _build_fedcon(num_classes, *, conv_impl="auto", norm="group", width=None,
-                  projection_dim=None):
+def build_fedcon(num_classes, *, conv_impl="auto", norm="group", width=None,
+                 projection_dim=None):
+    """The builder of ``model=moon_cnn`` (registered by ``fedjax_rcl.models``): the CNN, a
+    projection head and the classifier on the projection's output."""
     if width is not None:
         raise ValueError(f"width={width}: model=moon_cnn has a fixed width")
     del norm
     return SmallCNN(num_classes, conv_impl=conv_impl, projection_dim=projection_dim or 256,
                     classify_projection=True)
-
-
-# Levels: the two conv outputs and the two hidden dense outputs, pre-ReLU. Blocks (FedMLB):
-# conv1+pool, conv2+pool, fc1, fc2.
-# Smallest input: two valid 5x5 convolutions, each followed by a 2x2 pool: H -> (H - 4) // 2
-# -> ((H - 4) // 2 - 4) // 2 >= 1 needs H >= 16 (at 14 and 15 the second pool is empty; below,
-# the second convolution does not fit).
-register_model("cnn", _build, num_levels=4, norms=("group",), num_blocks=4, min_input_size=16)
-# MOON's tables train every method on its ``ModelFedCon(simple-cnn)``: the same CNN, then the
-# projection head (84 -> 84 -> 256 by default, ``moon.projection_dim`` under MOON) and the
-# classifier on the projection's output.
-register_model("moon_cnn", _build_fedcon, num_levels=4, norms=("group",), num_blocks=4,
-               min_input_size=16)

@@ -41,7 +41,6 @@ from fedjax_rcl.models.resnet import BasicBlock, stage_widths
 from fedjax_rcl.nn.conv import torch_conv, torch_kernel_init
 from fedjax_rcl.nn.norm import Norm
 from fedjax_rcl.nn.pool import max_pool
-from fedjax_rcl.registry import register_model
 
 
 def _num_groups(channels: int, group_size: int) -> int:
@@ -243,14 +242,9 @@ class ServerModel(nn.Module):
 
 def build(num_classes, *, conv_impl="auto", norm="twin", width=None, projection_dim=None,
           group_size=32, tn_variance="pooled"):
-    """The registry's builder (``group_size`` and ``tn_variance`` from the ``mfcl`` section);
+    """The builder of ``model=mfcl_autoencoder`` (registered by ``fedjax_rcl.models``;
+    ``group_size`` and ``tn_variance`` from the ``mfcl`` section);
     an autoencoder has no classes, width or projection head."""
     del num_classes, width, projection_dim
     return Autoencoder(norm=norm, group_size=group_size, conv_impl=conv_impl,
                        tn_variance=tn_variance)
-
-
-# Smallest input: the client module's 2x2 max-pool (its convolutions are padded): H >= 2 (and
-# even, which the module itself checks).
-register_model("mfcl_autoencoder", build, num_levels=1, norms=("twin", "group", "batch"),
-               min_input_size=2)

@@ -25,7 +25,6 @@ from fedjax_rcl.models.base import ModelOutput
 from fedjax_rcl.models.parts import head, stem
 from fedjax_rcl.nn.conv import torch_conv
 from fedjax_rcl.nn.norm import Norm
-from fedjax_rcl.registry import register_model
 
 STAGES = ((1, 16, 1, 1), (2, 24, 2, 6), (3, 32, 2, 6), (4, 64, 2, 6), (3, 96, 1, 6),
           (3, 160, 1, 6), (1, 320, 1, 6))
@@ -85,14 +84,9 @@ class MobileNetV2(nn.Module):
                     projection_dim=self.projection_dim)
 
 
-def _build(num_classes, *, conv_impl="auto", norm="group", width=None, projection_dim=None):
+def build(num_classes, *, conv_impl="auto", norm="group", width=None, projection_dim=None):
+    """The builder of ``model=mobilenet_v2`` (registered by ``fedjax_rcl.models``)."""
     if width is not None:
         raise ValueError(f"width={width}: model=mobilenet_v2 has a fixed width")
     return MobileNetV2(num_classes, norm=norm, conv_impl=conv_impl,
                        projection_dim=projection_dim)
-
-
-# Smallest input: every convolution is padded (a stride-2 3x3 with padding 1 maps H to
-# (H + 1) // 2 >= 1), and there is no pool before the global mean: any H >= 1.
-register_model("mobilenet_v2", _build, num_levels=7, norms=("group", "batch", "twin"),
-               num_blocks=7, min_input_size=1)

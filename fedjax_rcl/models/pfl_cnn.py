@@ -24,7 +24,6 @@ from fedjax_rcl.models.parts import head
 from fedjax_rcl.nn.conv import torch_conv, torch_dense
 from fedjax_rcl.nn.dropout import Dropout
 from fedjax_rcl.nn.pool import max_pool
-from fedjax_rcl.registry import register_model
 
 
 class PflCNN(nn.Module):
@@ -69,12 +68,9 @@ class PflCNN(nn.Module):
                     projection_dim=self.projection_dim, logits_from=dropped)
 
 
-def _build(num_classes, *, conv_impl="auto", norm="group", width=None, projection_dim=None):
+def build(num_classes, *, conv_impl="auto", norm="group", width=None, projection_dim=None):
+    """The builder of ``model=pfl_cnn`` (registered by ``fedjax_rcl.models``)."""
     if width is not None:
         raise ValueError(f"width={width}: model=pfl_cnn has a fixed width")
     del norm  # no normalization layers; "group" is the config's default
     return PflCNN(num_classes, conv_impl=conv_impl, projection_dim=projection_dim)
-
-
-# Smallest input: two valid 3x3 convolutions and a 2x2 pool: (H - 4) // 2 >= 1, H >= 6.
-register_model("pfl_cnn", _build, num_levels=3, norms=("group",), num_blocks=3, min_input_size=6)

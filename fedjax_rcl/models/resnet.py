@@ -26,7 +26,6 @@ from fedjax_rcl.models.base import ModelOutput
 from fedjax_rcl.models.parts import head, stem
 from fedjax_rcl.nn.conv import torch_conv
 from fedjax_rcl.nn.norm import Norm
-from fedjax_rcl.registry import register_model
 
 
 class BasicBlock(nn.Module):
@@ -155,19 +154,10 @@ def resnet50(num_classes: int, *, width: int = 64, **kw) -> ResNet:
                   bottleneck=True, **kw)
 
 
-def _builder(make):
-    def build(num_classes, *, conv_impl="auto", norm="group", width=None, projection_dim=None):
-        return make(num_classes, width=64 if width is None else width, norm=norm,
-                    conv_impl=conv_impl, projection_dim=projection_dim)
-
-    return build
-
-
-for _name, _make in (("resnet10", resnet10), ("resnet18", resnet18), ("resnet34", resnet34),
-                     ("resnet50", resnet50)):
-    # Levels: the stem's normalised output and each stage's output (FedRCL's five levels).
-    # Blocks (FedMLB): the stem and the four stages, as the FedMLB authors cut ResNet-18.
-    # Smallest input: the CIFAR stem has no pool, and the stride-2 stages' 3x3 (padding 1)
-    # and 1x1 shortcut convolutions map H to (H + 1) // 2 >= 1: any H >= 1.
-    register_model(_name, _builder(_make), num_levels=5, norms=("group", "batch", "twin"),
-                   width=True, num_blocks=5, min_input_size=1)
+def build(num_classes, *, depth: int, conv_impl="auto", norm="group", width=None,
+          projection_dim=None) -> ResNet:
+    """The builder of ``model=resnet10`` .. ``resnet50`` (``depth``) that ``fedjax_rcl.models``
+    registers; ``width`` None: 64."""
+    make = {10: resnet10, 18: resnet18, 34: resnet34, 50: resnet50}[depth]
+    return make(num_classes, width=64 if width is None else width, norm=norm,
+                conv_impl=conv_impl, projection_dim=projection_dim)

@@ -27,7 +27,6 @@ from fedjax_rcl.models.base import ModelOutput
 from fedjax_rcl.models.parts import head, stem
 from fedjax_rcl.nn.conv import torch_conv
 from fedjax_rcl.nn.norm import Norm
-from fedjax_rcl.registry import register_model
 
 GROUPS = 3
 STAGES = ((4, 240), (8, 480), (4, 960))  # (units, output channels); each starts with stride 2
@@ -107,13 +106,8 @@ class ShuffleNet(nn.Module):
                     projection_dim=self.projection_dim)
 
 
-def _build(num_classes, *, conv_impl="auto", norm="group", width=None, projection_dim=None):
+def build(num_classes, *, conv_impl="auto", norm="group", width=None, projection_dim=None):
+    """The builder of ``model=shufflenet`` (registered by ``fedjax_rcl.models``)."""
     if width is not None:
         raise ValueError(f"width={width}: model=shufflenet has a fixed width")
     return ShuffleNet(num_classes, norm=norm, conv_impl=conv_impl, projection_dim=projection_dim)
-
-
-# Smallest input: the stride-2 depthwise convolutions and the shortcut's 3x3 average pool are
-# padded by 1 (H -> (H + 1) // 2 >= 1): any H >= 1.
-register_model("shufflenet", _build, num_levels=4, norms=("group", "batch", "twin"),
-               num_blocks=4, min_input_size=1)

@@ -29,7 +29,6 @@ from fedjax_rcl.models.parts import head, stem
 from fedjax_rcl.models.shufflenet import channel_shuffle
 from fedjax_rcl.nn.conv import torch_conv
 from fedjax_rcl.nn.norm import Norm
-from fedjax_rcl.registry import register_model
 
 STAGES = ((4, 116), (8, 232), (4, 464))  # (units, output channels)
 
@@ -96,14 +95,9 @@ class ShuffleNetV2(nn.Module):
                     projection_dim=self.projection_dim)
 
 
-def _build(num_classes, *, conv_impl="auto", norm="group", width=None, projection_dim=None):
+def build(num_classes, *, conv_impl="auto", norm="group", width=None, projection_dim=None):
+    """The builder of ``model=shufflenet_v2`` (registered by ``fedjax_rcl.models``)."""
     if width is not None:
         raise ValueError(f"width={width}: model=shufflenet_v2 has a fixed width")
     return ShuffleNetV2(num_classes, norm=norm, conv_impl=conv_impl,
                         projection_dim=projection_dim)
-
-
-# Smallest input: the stride-2 depthwise convolutions are padded by 1 (H -> (H + 1) // 2 >= 1),
-# and there is no pool before the global mean: any H >= 1.
-register_model("shufflenet_v2", _build, num_levels=4, norms=("group", "batch", "twin"),
-               num_blocks=4, min_input_size=1)

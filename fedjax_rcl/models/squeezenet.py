@@ -27,7 +27,6 @@ from fedjax_rcl.models.parts import head, stem
 from fedjax_rcl.nn.conv import torch_conv
 from fedjax_rcl.nn.norm import Norm
 from fedjax_rcl.nn.pool import max_pool
-from fedjax_rcl.registry import register_model
 
 # (out, squeeze, bypass, pool after) for fire2 .. fire9
 FIRES = ((128, 16, False, False), (128, 16, True, False), (256, 32, False, True),
@@ -86,13 +85,8 @@ class SqueezeNet(nn.Module):
                     projection_dim=self.projection_dim)
 
 
-def _build(num_classes, *, conv_impl="auto", norm="group", width=None, projection_dim=None):
+def build(num_classes, *, conv_impl="auto", norm="group", width=None, projection_dim=None):
+    """The builder of ``model=squeezenet`` (registered by ``fedjax_rcl.models``)."""
     if width is not None:
         raise ValueError(f"width={width}: model=squeezenet has a fixed width")
     return SqueezeNet(num_classes, norm=norm, conv_impl=conv_impl, projection_dim=projection_dim)
-
-
-# Smallest input: three 2x2 max-pools (the stem's, after fire4 and after fire8); the padded
-# convolutions keep the size: H // 8 >= 1, H >= 8.
-register_model("squeezenet", _build, num_levels=8, norms=("group", "batch", "twin"),
-               num_blocks=8, min_input_size=8)

@@ -23,7 +23,6 @@ from fedjax_rcl.models.parts import head
 from fedjax_rcl.nn.conv import torch_conv, torch_dense
 from fedjax_rcl.nn.norm import Norm
 from fedjax_rcl.nn.pool import max_pool
-from fedjax_rcl.registry import register_model
 
 WIDTHS = (32, 64, 128, 128, 256, 256)
 he_fan_out = nn.initializers.variance_scaling(2.0, "fan_out", "normal")
@@ -76,13 +75,8 @@ class VGG9(nn.Module):
                     projection_dim=self.projection_dim)
 
 
-def _build(num_classes, *, conv_impl="auto", norm="group", width=None, projection_dim=None):
+def build(num_classes, *, conv_impl="auto", norm="group", width=None, projection_dim=None):
+    """The builder of ``model=vgg9`` (registered by ``fedjax_rcl.models``)."""
     if width is not None:
         raise ValueError(f"width={width}: model=vgg9 has a fixed width")
     return VGG9(num_classes, norm=norm, conv_impl=conv_impl, projection_dim=projection_dim)
-
-
-# Smallest input: three 2x2 pools, then the adaptive pool to 4x4 needs H // 8 >= 4 (and a
-# multiple of 4): H >= 32.
-register_model("vgg9", _build, num_levels=6, norms=("group", "batch", "twin"), num_blocks=6,
-               min_input_size=32)
