@@ -73,6 +73,9 @@ def pytest_configure(config):
     # a failed decompression, which JAX reports as a warning and answers by compiling.
     jax.config.update("jax_compilation_cache_dir",
                       str(Path(os.environ["FEDJAX_RCL_CACHE"]) / "jax"))
+    # Every program is cached, however fast it compiled: the tests compile the same small
+    # programs (evaluations, one-step rounds) again in other tests and subprocesses.
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     # Read when XLA's CPU backend starts (the first device use), after this hook; subprocesses
     # that tests start inherit it.
     flags = os.environ.get("XLA_FLAGS", "")

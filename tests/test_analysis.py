@@ -87,6 +87,7 @@ def test_metrics_jsonl_rows_and_validation(tmp_path, capsys):
     assert config_digest(a) == config_digest(b)
 
 
+@pytest.mark.slow  # two runs end to end; the analysis' rows are checked by default
 def test_analysis_changes_nothing_in_the_run(tmp_path, capsys):
     """The same run with the analysis on and off: every training and test number identical (the
     analysis reads the states and draws no randomness the round uses)."""

@@ -104,6 +104,7 @@ def test_a_grid_resumes_from_the_newest_round_every_member_has(grid01, tmp_path)
         assert _rows(a.run_dir) == _rows(w.run_dir)
 
 
+@pytest.mark.slow  # the CLI over a grid, end to end; the API's grids run by default
 def test_the_command_line_trains_a_grid_and_prints_mean_and_sd(tmp_path, capsys):
     run_dir = tmp_path / "cli"
     assert main(["train", "--no-progress", *GRID, "seeds=[0,1,2]", "rounds=2",
@@ -133,6 +134,7 @@ def test_bad_grids_are_refused_with_the_field_and_what_is_allowed(tmp_path, caps
     assert not run_dir.exists()
 
 
+@pytest.mark.slow  # three grids end to end; members equal to runs alone run by default
 def test_runs_side_by_side_agree_with_runs_one_after_another(tmp_path):
     """``runs_in_parallel=2`` vmaps the two runs: the same results up to float reassociation
     (at a small learning rate: at lr=0.1 this CNN amplifies last-bit differences to 1e-3
@@ -218,6 +220,7 @@ def test_a_sweep_of_alpha_gives_each_member_its_own_split_and_its_run_alone(tmp_
             np.testing.assert_array_equal(np.asarray(g), np.asarray(a))
 
 
+@pytest.mark.slow  # a 4-member sweep and its resume; the alpha sweep runs by default
 def test_a_sweep_of_an_algorithm_setting_with_seeds_equals_each_run_alone(tmp_path):
     """FedRCL's beta enters the one program as a traced value per run; each member agrees with
     its run alone (where beta is a constant) within float reassociation, and the values and

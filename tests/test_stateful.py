@@ -156,7 +156,8 @@ TINY = ["dataset=digits", "num_clients=10", "participation=0.3", "local_epochs=1
         "batch_size=32", "momentum=0.5"]
 
 
-@pytest.mark.parametrize("algorithm", ["scaffold", "feddyn"])
+# FedDyn's resume in CI's second step: its state rides the same checkpoint path.
+@pytest.mark.parametrize("algorithm", ["scaffold", pytest.param("feddyn", marks=pytest.mark.slow)])
 def test_stop_and_resume_is_bitwise_the_uninterrupted_run(tmp_path, algorithm):
     quiet = dict(progress=False, log=lambda s: None)
     base = [*TINY, f"algorithm={algorithm}", "checkpoint_every=2"]
@@ -230,7 +231,7 @@ def _run_metrics(run_dir):
     return rows
 
 
-@pytest.mark.parametrize("algorithm", ["moon", "scaffold"])
+@pytest.mark.parametrize("algorithm", ["moon", pytest.param("scaffold", marks=pytest.mark.slow)])
 def test_sparse_table_matches_the_dense_one_holds_only_trained_rows_and_resumes(tmp_path,
                                                                                algorithm):
     """``client_states=sparse``: the same results as the host table (bitwise: the same rows
@@ -283,6 +284,7 @@ def test_sparse_table_is_estimated_by_the_clients_who_can_train():
         "have trained)")
 
 
+@pytest.mark.slow  # three runs end to end; the estimate it follows is tested by default
 def test_auto_places_the_table_by_its_estimate_and_the_run_records_the_choice(tmp_path,
                                                                              monkeypatch):
     """``client_states=auto``: the whole table on the device where it fits, else sparse; the
