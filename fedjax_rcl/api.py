@@ -20,7 +20,6 @@ compiled, its message the lines the command line prints; a non-finite loss raise
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import warnings
 from collections.abc import Callable, Mapping
@@ -29,11 +28,11 @@ from types import MappingProxyType
 from typing import NamedTuple
 
 from fedjax_rcl import grid, registry, training
-from fedjax_rcl.checkpoint import saved_steps
 from fedjax_rcl.config import CoreConfig, is_grid, load_config, to_dict
 from fedjax_rcl.data import ImageDataset
 from fedjax_rcl.loop import Callback, load_run_config, resume_config
 from fedjax_rcl.mfcl import run as mfcl_run
+from fedjax_rcl.rundir import RunDir
 
 __all__ = ["PROGRAMS", "Program", "Run", "evaluate", "load", "resolved_config", "resume",
            "round_reached", "train"]
@@ -89,23 +88,11 @@ def _warn(message: str) -> None:
     warnings.warn(f"fedjax-rcl: {message}", UserWarning, stacklevel=4)
 
 
-def _lines(run_dir: Path) -> list[dict]:
-    """Every complete line of a run's ``metrics.jsonl`` (a torn last line is skipped)."""
-    path = run_dir / "metrics.jsonl"
-    rows = []
-    for line in path.read_text().splitlines() if path.is_file() else ():
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return rows
-
-
 def _read(run_dir: Path, cfg: CoreConfig, result: dict) -> Run:
     members = tuple(_read(Path(c.run_dir), c, result)
                     for c in grid.member_configs(cfg, run_dir)) if is_grid(cfg) else ()
-    return Run(run_dir, cfg, _lines(run_dir), bool(result.get("stopped_early", False)),
-               members)
+    return Run(run_dir, cfg, RunDir(run_dir).read_metrics(),
+               bool(result.get("stopped_early", False)), members)
 
 
 class _Literal(str):
@@ -120,20 +107,12 @@ def _python_command(name: str, args: tuple, kwargs: dict) -> str:
     return f"python: fedjax_rcl.{name}({', '.join(shown)})"
 
 
-def round_reached(run_dir: Path, cfg: CoreConfig) -> int | None:
+def round_reached(run_dir: str | os.PathLike) -> int | None:
     """The round a finished stretch of training reached: a federated run's newest complete
     checkpoint, a grid's oldest such among its members, an MFCL run's last phase-1 round
-    once its probe is written; None when it is not known (no checkpoint, MFCL unfinished)."""
-    if is_grid(cfg):
-        reached = [round_reached(Path(c.run_dir), c) for c in grid.member_configs(cfg, run_dir)]
-        return None if not reached or None in reached else min(reached)
-    if registry.algorithm(cfg.algorithm).command == "mfcl":
-        if not any(r.get("phase") == "probe" for r in _lines(run_dir)):
-            return None
-        steps = saved_steps(run_dir / "checkpoints" / "phase1")
-    else:
-        steps = saved_steps(run_dir / "checkpoints")
-    return steps[-1] if steps else None
+    once its probe is written; None when it is not known (no checkpoint, MFCL unfinished).
+    ``RunDir.round_reached``: the directory alone says which kind of run it holds."""
+    return RunDir(run_dir).round_reached()
 
 
 def resolved_config(config=None, *overrides: str, program: str | None = None) -> CoreConfig:
@@ -210,7 +189,7 @@ def resume(run_dir: str | os.PathLike, *overrides: str, force: bool = False,
     run_dir = Path(run_dir)
     cfg = resume_config(run_dir, list(overrides), force=force)
     log = log or (print if progress else _silent)
-    reached = round_reached(run_dir, cfg)
+    reached = round_reached(run_dir)
     if reached is not None and cfg.rounds <= reached:
         # Nothing to train: no compile, and nothing on disk changes (config.yaml keeps the
         # rounds the run was trained to).

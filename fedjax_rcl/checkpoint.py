@@ -23,6 +23,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 from flax import struct
 
+from fedjax_rcl.rundir import checkpoint_steps
+
 _log = logging.getLogger(__name__)
 
 # The suffix of the temporary directory Orbax writes a checkpoint into before its commit.
@@ -159,8 +161,8 @@ def _before_added_fields(abstract):
 def saved_steps(directory: str | Path) -> list[int]:
     """The steps of the whole checkpoints in ``directory`` (none if it is absent), read from
     the directory names without opening a ``CheckpointManager``: a save in progress or cut
-    short is not one of them."""
-    return sorted(ocp.utils.checkpoint_steps(directory)) if Path(directory).is_dir() else []
+    short is not one of them (``rundir.checkpoint_steps``)."""
+    return checkpoint_steps(Path(directory))
 
 
 class Checkpointer:

@@ -85,7 +85,6 @@ from fedjax_rcl.loop import (
     save_checkpoint,
 )
 from fedjax_rcl.training import (
-    CLIENTS_FILE,
     Program,
     check_finite,
     checkpoint_meta,
@@ -107,7 +106,7 @@ __all__ = ["GridProgram", "build_members", "check_fits", "check_sweep", "compile
 
 def member_dir(parent: Path, seed: int) -> Path:
     """Where the member of seed ``seed`` of a grid of seeds lives."""
-    return Path(parent) / f"seed-{seed}"
+    return Path(parent) / rundir.member_name(seed)
 
 
 def setting(cfg, key: str):
@@ -451,7 +450,7 @@ def _run_grid(parent: Path, exps: list[Experiment], ckpts: list[Checkpointer], s
                             [prior_seconds(d, done) for d in dirs], key,
                             [prior_accuracies(d, done) for d in dirs])
         sink = _Sinks([Sink(d, e.cfg, resumed_at=done) for d, e in zip(dirs, exps, strict=True)])
-        clients = (_StepSinks([Sink(d, name=CLIENTS_FILE) for d in dirs])
+        clients = (_StepSinks([Sink(d, path=rundir.RunDir(d).clients) for d in dirs])
                    if stage.step_lines is not None else None)
         first, start = done, time.perf_counter()
         try:
@@ -515,8 +514,8 @@ def train_grid(cfg: CoreConfig, *, dataset: ImageDataset | None = None, progress
             log(f"run_dir: {parent}  |  {len(cfgs)} runs ({names}) of {cfg.algorithm} on "
                 f"{cfg.model}, {cfg.dataset}  |  backend {jax.default_backend()}, "
                 f"{exps[0].layout}")
-            ckpts = [Checkpointer(Path(c.run_dir) / "checkpoints", keep=c.keep_checkpoints)
-                     for c in cfgs]
+            ckpts = [Checkpointer(rundir.RunDir(c.run_dir).checkpoint_dir(),
+                                  keep=c.keep_checkpoints) for c in cfgs]
             grid_ckpt = _Checkpointers(ckpts)
             save_checkpoint(grid_ckpt, parent, 0, [e.table.checkpoint(e.state) for e in exps],
                             [checkpoint_meta(c, 0, None) for c in cfgs], "round 0")
@@ -534,7 +533,7 @@ def continue_grid(run_dir: Path, cfg: CoreConfig, *, force: bool = False,
     _check_command(cfg)
     run_dir = Path(run_dir)
     cfgs = member_configs(cfg, run_dir)
-    missing = [c.run_dir for c in cfgs if not (Path(c.run_dir) / "config.yaml").is_file()]
+    missing = [c.run_dir for c in cfgs if not rundir.RunDir(c.run_dir).config.is_file()]
     if missing:
         raise ConfigError([f"run_dir={str(run_dir)!r}: its member(s) {', '.join(missing)} are "
                            "missing; a grid resumes only whole"])
@@ -545,8 +544,8 @@ def continue_grid(run_dir: Path, cfg: CoreConfig, *, force: bool = False,
         exps = build_members(cfgs, dataset)
         check_fits(exps, grid=cfg)
         check_sweep(exps, cfg.sweep.key)
-        ckpts = [Checkpointer(Path(c.run_dir) / "checkpoints", keep=c.keep_checkpoints)
-                 for c in cfgs]
+        ckpts = [Checkpointer(rundir.RunDir(c.run_dir).checkpoint_dir(),
+                              keep=c.keep_checkpoints) for c in cfgs]
         try:
             restored = _restore_common(exps, ckpts, force)
         except BaseException:

@@ -95,13 +95,15 @@ class Stage:
 
 
 class Sink:
-    """Where metrics lines go: a JSONL file of the run directory (``metrics.jsonl``, appended as
-    they come, by the primary process only) and, given the config, the trackers it selects."""
+    """Where metrics lines go: a JSONL file of the run directory (``path``, default its
+    ``metrics.jsonl``, appended as they come, by the primary process only) and, given the
+    config, the trackers it selects."""
 
     def __init__(self, run_dir: Path, cfg: CoreConfig | None = None, *, resumed_at: int = 0,
-                 name: str = "metrics.jsonl"):
+                 path: Path | None = None):
         self._primary = is_primary()
-        self._file = open(run_dir / name, "a") if self._primary else None
+        path = rundir.RunDir(run_dir).metrics if path is None else path
+        self._file = open(path, "a") if self._primary else None
         self._trackers = (Trackers(cfg.tracking, run_dir, resumed_at=resumed_at,
                                    config=to_dict(cfg))
                           if cfg is not None and self._primary else None)
@@ -258,7 +260,7 @@ def new_run(cfg: CoreConfig, prepare: Callable[[], Any], *, command: str | None,
         interrupts.resume_status(run_dir, None)
         if primary:
             with interrupts.critical():
-                rundir.atomic_write_text(run_dir / "config.yaml", to_yaml(cfg))
+                rundir.atomic_write_text(rundir.RunDir(run_dir).config, to_yaml(cfg))
             provenance.record(run_dir, command, 0, cfg.plugins, input_files(cfg))
         yield run_dir, prepared
 
@@ -284,16 +286,17 @@ def resumed_records(run_dir: Path, cfg: CoreConfig, lines: list[str], *, command
     continues from) and its ``config.yaml`` as ``cfg``, and records this process."""
     if not primary:
         return
+    run = rundir.RunDir(run_dir)
     with interrupts.critical():
-        rundir.atomic_write_text(run_dir / "metrics.jsonl", "".join(f"{x}\n" for x in lines))
-        rundir.atomic_write_text(run_dir / "config.yaml", to_yaml(cfg))
+        rundir.atomic_write_lines(run.metrics, lines)
+        rundir.atomic_write_text(run.config, to_yaml(cfg))
     provenance.record(run_dir, command, first, cfg.plugins, input_files(cfg))
 
 
 def load_run_config(run_dir: Path, overrides=()) -> tuple[CoreConfig, CoreConfig]:
     """A run's saved config and the config with ``overrides`` applied (``ConfigError`` if
     ``run_dir`` is not a run)."""
-    path = Path(run_dir) / "config.yaml"
+    path = rundir.RunDir(run_dir).config
     if not Path(run_dir).exists():
         raise ConfigError([f"run_dir={str(run_dir)!r}: no such directory"])
     if not Path(run_dir).is_dir():

@@ -2,17 +2,17 @@
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
 from fedjax_rcl.metrics.lines import loss_terms
+from fedjax_rcl.rundir import read_jsonl
 
 
 def read_metrics(path: str | Path) -> list[dict]:
-    """Reads ``metrics.jsonl`` (one JSON object per line)."""
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+    """A run's ``metrics.jsonl`` at ``path``: its complete lines (a torn last line is skipped,
+    as every reader of a run does: ``rundir.read_jsonl``)."""
+    return read_jsonl(Path(path))
 
 
 def plot_metrics(metrics_path: str | Path, out_path: str | Path, *, title: str = "",

@@ -27,8 +27,7 @@ import platform
 import subprocess
 from pathlib import Path
 
-COMMANDS_FILE = "commands.txt"
-ENVIRONMENT_FILE = "environment.jsonl"
+from fedjax_rcl.rundir import RunDir, read_jsonl
 
 # The packages whose versions can change a result or a speed.
 PACKAGES = ("fedjax-rcl", "jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "numpy",
@@ -118,25 +117,18 @@ def environment(command: str | None, first_round: int, plugins=(), inputs=()) ->
 def record(run_dir: str | Path, command: str | None, first_round: int, plugins=(),
            inputs=()) -> None:
     """Appends this process's command and environment to the run directory's records."""
-    run_dir = Path(run_dir)
+    run = RunDir(run_dir)
     if command:
-        with open(run_dir / COMMANDS_FILE, "a") as f:
+        with open(run.commands, "a") as f:
             f.write(command + "\n")
-    with open(run_dir / ENVIRONMENT_FILE, "a") as f:
+    with open(run.environment, "a") as f:
         f.write(json.dumps(environment(command, first_round, plugins, inputs)) + "\n")
 
 
 def recorded_plugin_dirs(run_dir: str | Path) -> tuple[str, ...]:
     """The directories a run's processes imported its plugins from, and ran in (newest
     first): where ``resume`` and ``eval`` look for the plugins a run names."""
-    path = Path(run_dir) / ENVIRONMENT_FILE
-    if not path.is_file():
-        return ()
     dirs: list[str] = []
-    for line in reversed(path.read_text().splitlines()):
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            continue
+    for record in reversed(read_jsonl(RunDir(run_dir).environment)):
         dirs += [*record.get("plugin_dirs", {}).values(), record.get("cwd")]
     return tuple(d for d in dict.fromkeys(dirs) if d)

@@ -44,8 +44,9 @@ from pathlib import Path
 
 import yaml
 
-from fedjax_rcl.config import flat_keys, grid_members
+from fedjax_rcl.config import flat_keys
 from fedjax_rcl.metrics import RECENT_WINDOWS
+from fedjax_rcl.rundir import RunDir
 
 # Keys that say nothing about what a run is.
 _IGNORED = {"run_dir", "rounds", "checkpoint_every", "keep_checkpoints", "eval_batch_size",
@@ -127,40 +128,24 @@ def _result_keys(config: dict) -> dict:
     return out
 
 
-def _grid_members(path: Path) -> list[Path]:
-    """The member directories of a grid (a run directory whose config has ``seeds`` or a
-    ``sweep``)."""
-    try:
-        config = yaml.safe_load((path / "config.yaml").read_text()) or {}
-    except (OSError, yaml.YAMLError):
-        return []
-    sweep = config.get("sweep") or {}
-    return [path / name for name, _, _ in grid_members(config.get("seeds") or [],
-                                                       sweep.get("key"),
-                                                       sweep.get("values") or [])]
-
-
 def load_runs(path: str | Path) -> list[Run]:
-    """A run directory's run, or a grid's member runs."""
-    members = _grid_members(Path(path))
-    return [load_run(m) for m in members] if members else [load_run(path)]
+    """A run directory's run, or a grid's member runs (``RunDir.members``)."""
+    members = RunDir(path).members()
+    return [load_run(m.path) for m in members] if members else [load_run(path)]
 
 
 def load_run(path: str | Path) -> Run:
-    path = Path(path)
-    cfg, metrics = path / "config.yaml", path / "metrics.jsonl"
-    if not cfg.is_file() or not metrics.is_file():
-        raise ReportError(f"{path}: not a run directory (needs config.yaml and metrics.jsonl)")
+    """A run directory's config and its complete metrics and per-client lines (a torn last
+    line is skipped, as every reader of a run does: ``rundir.read_jsonl``)."""
+    run = RunDir(path)
+    if not run.config.is_file() or not run.metrics.is_file():
+        raise ReportError(f"{run.path}: not a run directory (needs {run.config.name} and "
+                          f"{run.metrics.name})")
     try:
-        config = _result_keys(flat_keys(yaml.safe_load(cfg.read_text()) or {}))
-        rows = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()]
-        clients = path / "clients.jsonl"
-        per_client = ([json.loads(x) for x in clients.read_text().splitlines() if x.strip()]
-                      if clients.is_file() else [])
-    except (yaml.YAMLError, json.JSONDecodeError) as e:
-        raise ReportError(f"{path}: unreadable config.yaml, metrics.jsonl or clients.jsonl "
-                          f"({e})") from None
-    return Run(path, config, rows, per_client)
+        config = _result_keys(flat_keys(yaml.safe_load(run.config.read_text()) or {}))
+    except yaml.YAMLError as e:
+        raise ReportError(f"{run.path}: unreadable {run.config.name} ({e})") from None
+    return Run(run.path, config, run.read_metrics(), run.read_clients())
 
 
 def _method_key(key: str, config: dict) -> bool:

@@ -31,7 +31,6 @@ same Python (``python -m fedjax_rcl``), each in its own process.
 
 from __future__ import annotations
 
-import json
 import math
 import shlex
 import subprocess
@@ -42,8 +41,8 @@ from pathlib import Path
 import yaml
 
 from fedjax_rcl import interrupts
-from fedjax_rcl.checkpoint import saved_steps
 from fedjax_rcl.loop import TrainingError
+from fedjax_rcl.rundir import RunDir
 from fedjax_rcl.validation import ConfigError
 
 __all__ = ["load_suite", "rounds_done", "run", "table", "with_overrides"]
@@ -139,34 +138,32 @@ def _table_problems(suite: dict, *, table: bool = False) -> list[str]:
     return out
 
 
-def _metrics(run_dir: Path) -> list[dict]:
-    """A run's metrics lines (a torn last line of a killed process is skipped)."""
-    path = run_dir / "metrics.jsonl"
-    if not path.is_file():
-        return []
-    rows = []
-    for line in path.read_text().splitlines():
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return rows
-
-
 def rounds_done(run_dir: Path) -> int:
-    """Rounds a resume would start from: the newest whole checkpoint where the run has any
-    (metrics can run ahead of it when a process was killed between checkpoints, and resume
-    redoes those rounds), else the last round in metrics.jsonl (a finished run whose
-    checkpoints were not kept)."""
-    rows = _metrics(run_dir)
-    last = rows[-1]["round"] if rows else 0
-    steps = saved_steps(run_dir / "checkpoints")
-    return min(last, steps[-1]) if steps else last
+    """Rounds a resume would start from: the round the run's newest whole checkpoint reached
+    where it has one (``RunDir.round_reached``; an MFCL run's phase-1 round, even before its
+    probe is written), no further than the last round its metrics record (metrics can run
+    ahead of a checkpoint when a process was killed between checkpoints, and resume redoes
+    those rounds), else that last recorded round (a finished run whose checkpoints were not
+    kept); a grid's is its members' oldest."""
+    run = RunDir(run_dir)
+    members = run.members()
+    if members:
+        return min(rounds_done(m.path) for m in members)
+    last = run.last_round()
+    reached = run.round_reached(partial=True)
+    return last if reached is None else min(last, reached)
+
+
+def _unfinished(run_dir: Path) -> bool:
+    """Whether a resume still has work at the round the run stands at: an MFCL run whose
+    phase 2 or probe is not done."""
+    run = RunDir(run_dir)
+    return run.round_reached() is None and run.round_reached(partial=True) is not None
 
 
 def _command(suite: dict, name: str, target: int) -> list[str]:
     run_dir = Path(suite["runs_dir"]) / name
-    if (run_dir / "config.yaml").is_file():
+    if RunDir(run_dir).config.is_file():
         return ["fedjax-rcl", "resume", str(run_dir), *suite.get("overrides", ()),
                 f"rounds={target}", "--no-progress"]
     return ["fedjax-rcl", "train", suite["base"], *suite["runs"][name], f"rounds={target}",
@@ -203,13 +200,15 @@ def run(suite: dict, chunk: int, only: list[str] | None = None) -> None:
                            f"{', '.join(suite['runs'])})"])
     names = [n for n in suite["runs"] if not only or n in only]
     while True:
-        pending = [(rounds_done(Path(suite["runs_dir"]) / n), n) for n in names]
-        pending = [(d, n) for d, n in pending if d < suite["rounds"]]
+        dirs = {n: Path(suite["runs_dir"]) / n for n in names}
+        pending = [(rounds_done(dirs[n]), n) for n in names]
+        pending = [(d, n) for d, n in pending if d < suite["rounds"] or _unfinished(dirs[n])]
         if not pending:
             print("every run has reached its rounds", flush=True)
             return
         done, name = min(pending)  # the run furthest behind goes next
-        target = min(done + chunk, suite["rounds"])
+        # An unfinished run at or past the suite's rounds finishes at its own.
+        target = max(done, min(done + chunk, suite["rounds"]))
         cmd = _command(suite, name, target)
         print(f"[{time.strftime('%H:%M:%S')}] {name}: {done} -> {target}: {shlex.join(cmd)}",
               flush=True)
@@ -276,7 +275,8 @@ def table(suite: dict, out: Path) -> str:
     ours: dict[str, float] = {}
     marked: list[str] = []
     groups: dict[str, list[str]] = {}
-    metrics = {name: _metrics(Path(suite["runs_dir"]) / name) for name in suite["runs"]}
+    metrics = {name: RunDir(Path(suite["runs_dir"]) / name).read_metrics()
+               for name in suite["runs"]}
     for name, overrides in suite["runs"].items():
         rows = metrics[name]
         by_round = {r["round"]: r for r in rows}

@@ -11,7 +11,6 @@ a run, ``resume`` continues one from its newest complete checkpoint, ``load_run`
 from __future__ import annotations
 
 import dataclasses
-import json
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -48,17 +47,13 @@ from fedjax_rcl.loop import (
     save_checkpoint,
 )
 from fedjax_rcl.metrics import RECENT_WINDOWS, ema, recent_mean
-from fedjax_rcl.rundir import atomic_write_text, read_metrics_upto
+from fedjax_rcl.rundir import RunDir, atomic_write_lines
 from fedjax_rcl.validation import ConfigError
 
 __all__ = ["Program", "TrainingError", "check_finite",
            "checkpoint_meta", "checkpoint_tree", "compile_analysis", "compile_program",
            "continue_run", "cut_back", "evaluate_run", "load_run", "plot_run", "prior_seconds",
            "progress_line", "resume", "rounds_stage", "state_from_checkpoint", "train"]
-
-# Per-client metrics (``client_metrics``, ``client_eval``): one line per round.
-CLIENTS_FILE = "clients.jsonl"
-
 
 def check_finite(metrics: dict, first_round: int, n: int) -> None:
     losses = np.asarray(metrics["client_loss"][:n])
@@ -220,14 +215,14 @@ def rounds_stage(exp: Experiment, program: Program, ckpt: Checkpointer, acc_ema:
 
 def prior_seconds(run_dir: Path, done: int) -> float:
     """Loop time of a run's rounds before ``done`` (its earlier processes, if resumed)."""
-    prior = read_metrics_upto(run_dir / "metrics.jsonl", done)
-    return json.loads(prior[-1]).get("total_s", 0.0) if prior else 0.0
+    prior = RunDir(run_dir).read_metrics(upto=done)
+    return prior[-1].get("total_s", 0.0) if prior else 0.0
 
 
 def prior_accuracies(run_dir: Path, done: int) -> list[tuple[int, float]]:
     """``(round, test accuracy)`` of a run's evaluations up to ``done`` (a resumed run's last
     ``max(RECENT_WINDOWS)``, enough for the means over the last rounds)."""
-    rows = [json.loads(x) for x in read_metrics_upto(run_dir / "metrics.jsonl", done)]
+    rows = RunDir(run_dir).read_metrics(upto=done)
     return [(x["round"], x["test_accuracy"]) for x in rows[-max(RECENT_WINDOWS):]]
 
 
@@ -257,7 +252,8 @@ def plot_run(run_dir: Path, cfg: CoreConfig, title_suffix: str = "") -> None:
     """The run's ``accuracy.png`` from its ``metrics.jsonl``."""
     from fedjax_rcl.plots import plot_metrics
 
-    plot_metrics(run_dir / "metrics.jsonl", run_dir / "accuracy.png",
+    run = RunDir(run_dir)
+    plot_metrics(run.metrics, run.plot,
                  title=f"{cfg.algorithm} · {cfg.model} · {cfg.dataset} · {split_text(cfg)} · "
                        f"{cfg.num_clients} clients · seed {cfg.seed}{title_suffix}",
                  ema_decay=cfg.ema_decay, eval_every=cfg.eval_every)
@@ -266,12 +262,12 @@ def plot_run(run_dir: Path, cfg: CoreConfig, title_suffix: str = "") -> None:
 def cut_back(run_dir: Path, cfg: CoreConfig, done: int, *, command: str | None) -> None:
     """A resumed run's records cut back to round ``done``: ``metrics.jsonl`` and
     ``clients.jsonl`` (its ``config.yaml`` rewritten, this process recorded)."""
-    resumed_records(run_dir, cfg, read_metrics_upto(run_dir / "metrics.jsonl", done),
-                    command=command, first=done, primary=is_primary())
-    if is_primary() and (run_dir / CLIENTS_FILE).exists():  # cut back like metrics.jsonl
+    run = RunDir(run_dir)
+    resumed_records(run_dir, cfg, run.metric_lines(upto=done), command=command, first=done,
+                    primary=is_primary())
+    if is_primary() and run.clients.exists():  # cut back like metrics.jsonl
         with interrupts.critical():
-            atomic_write_text(run_dir / CLIENTS_FILE, "".join(
-                f"{x}\n" for x in read_metrics_upto(run_dir / CLIENTS_FILE, done)))
+            atomic_write_lines(run.clients, run.client_lines(upto=done))
 
 
 def _run(exp: Experiment, run_dir: Path, ckpt: Checkpointer, state: ServerState, done: int,
@@ -283,7 +279,8 @@ def _run(exp: Experiment, run_dir: Path, ckpt: Checkpointer, state: ServerState,
         stage = rounds_stage(exp, program, ckpt, acc_ema, prior_seconds(run_dir, done),
                              prior_accuracies(run_dir, done))
         sink = Sink(run_dir, cfg, resumed_at=done)
-        clients = (Sink(run_dir, name=CLIENTS_FILE) if stage.step_lines is not None else None)
+        clients = (Sink(run_dir, path=RunDir(run_dir).clients) if stage.step_lines is not None
+                   else None)
         first, start = done, time.perf_counter()
         try:
             state, record, stopped = run_stage(stage, state, done, run_dir=run_dir,
@@ -304,7 +301,7 @@ def _run(exp: Experiment, run_dir: Path, ckpt: Checkpointer, state: ServerState,
         log(f"done: rounds {first}..{last} in {elapsed:.1f} s ({rate:.2f} rounds/s, "
             f"compile {program.compile_s:.1f} s); test accuracy {record['test_accuracy']:.4f}, "
             f"EMA {record['test_accuracy_ema']:.4f}{ema_cadence(cfg)}; metrics in "
-            f"{run_dir / 'metrics.jsonl'}, plot {run_dir / 'accuracy.png'}")
+            f"{RunDir(run_dir).metrics}, plot {RunDir(run_dir).plot}")
     return {**record, "compile_s": program.compile_s, "run_dir": str(run_dir),
             "stopped_early": stopped}
 
@@ -358,7 +355,7 @@ def train(cfg: CoreConfig, *, dataset: ImageDataset | None = None, progress: boo
 
     with new_run(cfg, prepare, command=command, primary=is_primary()) as (run_dir, exp):
         log(_describe(exp, run_dir))
-        ckpt = Checkpointer(run_dir / "checkpoints", keep=cfg.keep_checkpoints)
+        ckpt = Checkpointer(RunDir(run_dir).checkpoint_dir(), keep=cfg.keep_checkpoints)
         # A run always has a checkpoint.
         save_checkpoint(ckpt, run_dir, 0, exp.table.checkpoint(exp.state),
                         checkpoint_meta(cfg, 0, None), "round 0")
@@ -405,10 +402,11 @@ def _resume_locked(run_dir: Path, cfg: CoreConfig, *, force: bool,
                    command: str | None, callbacks=()) -> dict:
     log(f"loading data: {cfg.dataset} ...")
     exp = build(cfg, dataset)
-    ckpt = Checkpointer(run_dir / "checkpoints", keep=cfg.keep_checkpoints)
+    run = RunDir(run_dir)
+    ckpt = Checkpointer(run.checkpoint_dir(), keep=cfg.keep_checkpoints)
     restored = ckpt.restore_latest(exp.table.checkpoint(exp.state))
     if restored is None:
-        if read_metrics_upto(run_dir / "metrics.jsonl", 1 << 62):
+        if run.read_metrics():
             ckpt.close()
             raise ConfigError([f"run_dir={str(run_dir)!r}: has metrics but no complete "
                                "checkpoint to resume from"])
@@ -445,7 +443,7 @@ def load_run(run_dir: str | Path, *, dataset: ImageDataset | None = None, warn=N
     _, cfg = load_run_config(run_dir)
     _join_cluster(cfg)
     exp = build(cfg, dataset)
-    ckpt = Checkpointer(run_dir / "checkpoints", keep=cfg.keep_checkpoints)
+    ckpt = Checkpointer(RunDir(run_dir).checkpoint_dir(), keep=cfg.keep_checkpoints)
     try:
         restored = ckpt.restore_latest(exp.table.checkpoint(exp.state), warn=warn)
     finally:
@@ -476,7 +474,7 @@ def evaluate_run(run_dir: str | Path, *, dataset: ImageDataset | None = None,
     state = exp.table.restore(restored.state)
     ev = to_host(exp.evaluate(state.params, state.model_state, exp.test))
     out = {"run_dir": str(run_dir), "round": restored.step,
-           "checkpoint": str(Path(run_dir) / "checkpoints" / str(restored.step)),
+           "checkpoint": str(RunDir(run_dir).checkpoint_dir() / str(restored.step)),
            "test_accuracy": float(ev["accuracy"]), "test_loss": float(ev["loss"]),
            "test_accuracy_ema": restored.meta.get("test_accuracy_ema")}
     if restored.skipped:

@@ -7,6 +7,10 @@ from __future__ import annotations
 import dataclasses
 
 from fedjax_rcl.config.schema import CoreConfig, field_type
+
+# A grid member's directory is part of the run directory's layout, which rundir names.
+from fedjax_rcl.rundir import grid_members as grid_members
+from fedjax_rcl.rundir import member_name as member_name
 from fedjax_rcl.validation import ConfigError
 
 # Float settings that decide the program's shapes: their values cannot share one program.
@@ -47,19 +51,3 @@ def with_setting(cfg, key: str, value):
 def is_grid(cfg: CoreConfig) -> bool:
     """Whether ``cfg`` is several runs in one program (``seeds`` or a ``sweep``)."""
     return bool(cfg.seeds) or cfg.sweep.key is not None
-
-
-def member_name(seed: int | None, key: str | None = None, value: float | None = None) -> str:
-    """A grid member's directory name: ``seed-1``, ``fedrcl.beta-0.5``,
-    ``fedrcl.beta-0.5-seed-1``."""
-    parts = ([] if key is None else [f"{key}-{float(value):.12g}"]) + (
-        [] if seed is None else [f"seed-{seed}"])
-    return "-".join(parts)
-
-
-def grid_members(seeds: list[int], key: str | None, values: list[float]
-                 ) -> list[tuple[str, int | None, float | None]]:
-    """``(name, seed or None, value or None)`` of each member of a grid, value by value,
-    seed by seed."""
-    return [(member_name(s, key, v), s, v) for v in (values if key is not None else [None])
-            for s in (seeds or [None])]

@@ -51,7 +51,7 @@ from fedjax_rcl.mfcl.encoder import _padded, client_encoder, represent_all
 from fedjax_rcl.mfcl.probe import adam_probe, lbfgs_probe
 from fedjax_rcl.mfcl.resources import format_resources, mfcl_resources
 from fedjax_rcl.models.mfcl import ServerModel
-from fedjax_rcl.rundir import atomic_write_text
+from fedjax_rcl.rundir import RunDir, atomic_write_lines, atomic_write_text
 from fedjax_rcl.validation import ConfigError
 
 # What ``fedjax-rcl mfcl`` starts from before the YAML file and the overrides: MFCL's phase-1
@@ -118,7 +118,7 @@ def _phase1(exp: Experiment, run_dir: Path, state, done: int, sink: Sink, log,
     """Phase 1: the engine's federated rounds of the reconstruction objective, through the
     run loop, evaluated by the test images' reconstruction BCE."""
     cfg = exp.cfg
-    ckpt = Checkpointer(run_dir / "checkpoints" / "phase1", keep=cfg.keep_checkpoints)
+    ckpt = Checkpointer(RunDir(run_dir).checkpoint_dir("phase1"), keep=cfg.keep_checkpoints)
 
     def meta(done: int) -> dict:
         return {"round": done, "config_digest": config_digest(cfg)}
@@ -183,7 +183,7 @@ def _phase2(exp: Experiment, run_dir: Path, encode, resuming: bool, sink: Sink, 
                         conv_impl=cfg.conv_impl)
     tx = phase2.server_optimizer(m.server_lr, m.server_weight_decay, steps * m.server_epochs)
     state = phase2.init_server_training(model, key, reps.shape[1:], tx)
-    ckpt = Checkpointer(run_dir / "checkpoints" / "phase2", keep=cfg.keep_checkpoints)
+    ckpt = Checkpointer(RunDir(run_dir).checkpoint_dir("phase2"), keep=cfg.keep_checkpoints)
 
     def meta(done: int) -> dict:
         return {"epoch": done, "config_digest": config_digest(cfg)}
@@ -356,7 +356,8 @@ def _loop(exp: Experiment, run_dir: Path, state, done1: int, phase2_started: boo
         probe = _probe(exp, encode, model, server)
         resources = _resources(exp)
         with interrupts.critical():
-            atomic_write_text(run_dir / "resources.json", json.dumps(resources, indent=1) + "\n")
+            atomic_write_text(RunDir(run_dir).resources,
+                              json.dumps(resources, indent=1) + "\n")
         record = {"phase": "probe", **probe}
         sink.write(record)
     finally:
@@ -386,21 +387,17 @@ def run_mfcl(cfg: CoreConfig, *, dataset: ImageDataset | None = None,
         return _loop(exp, run_dir, exp.state, 0, False, log, callbacks)
 
 
-def _trim_metrics(path: Path, done1: int, done2: int) -> None:
+def _trim_metrics(run: RunDir, done1: int, done2: int) -> None:
     """Keeps the lines up to the checkpoints being resumed from (phase-1 round ``done1``,
     phase-2 epoch ``done2``); the probe's line goes (it is recomputed)."""
-    if not path.exists():
+    if not run.metrics.exists():
         return
-    keep = []
-    for line in path.read_text().splitlines():
-        try:
-            r = json.loads(line)
-        except json.JSONDecodeError:
-            continue  # a torn last line of a killed process
-        if (r.get("phase") == 1 and r["round"] <= done1) or (
-                r.get("phase") == 2 and r["epoch"] <= done2):
-            keep.append(line)
-    atomic_write_text(path, "".join(f"{x}\n" for x in keep))
+
+    def kept(r: dict) -> bool:
+        return ((r.get("phase") == 1 and r["round"] <= done1)
+                or (r.get("phase") == 2 and r["epoch"] <= done2))
+
+    atomic_write_lines(run.metrics, [x for x in run.metric_lines() if kept(json.loads(x))])
 
 
 def resume_mfcl(run_dir: Path, cfg: CoreConfig, *, force: bool = False,
@@ -411,12 +408,13 @@ def resume_mfcl(run_dir: Path, cfg: CoreConfig, *, force: bool = False,
     run. ``cfg`` is the run's config as ``loop.resume_config`` checked it."""
     del progress  # MFCL prints a line per evaluation
     run_dir = Path(run_dir)
+    run = RunDir(run_dir)
     with locked_run(run_dir):
         with interrupts.critical():
-            atomic_write_text(run_dir / "config.yaml", to_yaml(cfg))
+            atomic_write_text(run.config, to_yaml(cfg))
         log(f"loading data: {cfg.dataset} ...")
         exp = build(cfg, mfcl_dataset(cfg, dataset))
-        ckpt = Checkpointer(run_dir / "checkpoints" / "phase1", keep=cfg.keep_checkpoints)
+        ckpt = Checkpointer(run.checkpoint_dir("phase1"), keep=cfg.keep_checkpoints)
         try:
             restored = ckpt.restore_latest(exp.state)
         finally:
@@ -426,7 +424,7 @@ def resume_mfcl(run_dir: Path, cfg: CoreConfig, *, force: bool = False,
                 and not force):
             raise ConfigError([f"resume: the checkpoint in {run_dir} was written with a "
                                "different config than config.yaml now holds"])
-        p2 = Checkpointer(run_dir / "checkpoints" / "phase2", keep=cfg.keep_checkpoints)
+        p2 = Checkpointer(run.checkpoint_dir("phase2"), keep=cfg.keep_checkpoints)
         try:
             steps2 = p2.steps()
         finally:
@@ -434,8 +432,8 @@ def resume_mfcl(run_dir: Path, cfg: CoreConfig, *, force: bool = False,
         started2 = done1 >= cfg.rounds and bool(steps2)
         done2 = steps2[-1] if started2 else 0
         with interrupts.critical():
-            _trim_metrics(run_dir / "metrics.jsonl", done1, done2)
-            (run_dir / "resources.json").unlink(missing_ok=True)
+            _trim_metrics(run, done1, done2)
+            run.resources.unlink(missing_ok=True)
         provenance.record(run_dir, command, done1, cfg.plugins)
         where = f"phase 2 epoch {done2}" if started2 else f"phase 1 round {done1}"
         interrupts.resume_status(run_dir, where)
