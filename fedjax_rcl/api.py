@@ -6,11 +6,12 @@
     run.metrics[-1]["test_accuracy"]                               # every evaluation, in order
     run = fedjax_rcl.resume(run.run_dir, "rounds=40")               # identical to never stopping
 
-Each command that trains is a *program* over the shared run loop (``fedjax_rcl.loop``):
-``train`` (``fedjax_rcl.training``: federated rounds) and ``mfcl`` (``fedjax_rcl.mfcl.run``:
-MFCL's two phases and probe). A registered algorithm names the command that runs it
-(``registry.AlgorithmEntry.command``), so ``resume`` continues any run by reading which
-program its config belongs to; neither program knows the other.
+Each kind of run is a *program* over the shared run loop (``fedjax_rcl.loop``): a single run
+(``fedjax_rcl.training``: federated rounds), a grid of them in one program
+(``fedjax_rcl.grid``) and MFCL (``fedjax_rcl.mfcl.run``: its two phases and probe). A
+registered algorithm names the command that runs it (``registry.AlgorithmEntry.command``);
+``programs.kind_of`` reads the kind from a run's config, so each function here looks it up
+once and ``resume`` and ``evaluate`` take any run; no program knows another.
 
 Bad input raises ``ConfigError`` (or ``DataError`` for unreadable data) before anything is
 compiled, its message the lines the command line prints; a non-finite loss raises
@@ -24,34 +25,14 @@ import os
 import warnings
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from types import MappingProxyType
-from typing import NamedTuple
 
-from fedjax_rcl import grid, registry, training
-from fedjax_rcl.config import CoreConfig, is_grid, load_config, to_dict
+from fedjax_rcl.config import CoreConfig, load_config, to_dict
 from fedjax_rcl.data import ImageDataset
 from fedjax_rcl.loop import Callback, load_run_config, resume_config
-from fedjax_rcl.mfcl import run as mfcl_run
+from fedjax_rcl.programs import COMMAND_DEFAULTS, kind_of
 from fedjax_rcl.rundir import RunDir
 
-__all__ = ["PROGRAMS", "Program", "Run", "evaluate", "load", "resolved_config", "resume",
-           "round_reached", "train"]
-
-
-class Program(NamedTuple):
-    """A command that trains: how it starts a run and continues one, and the settings it
-    starts from before the YAML file and the overrides."""
-
-    start: Callable[..., dict]
-    continue_run: Callable[..., dict]
-    defaults: Mapping[str, object] = MappingProxyType({})
-
-
-PROGRAMS: dict[str, Program] = {
-    "train": Program(training.train, training.continue_run),
-    "mfcl": Program(mfcl_run.run_mfcl, mfcl_run.resume_mfcl,
-                    MappingProxyType(mfcl_run.MFCL_DEFAULTS)),
-}
+__all__ = ["Run", "evaluate", "load", "resolved_config", "resume", "round_reached", "train"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,7 +71,7 @@ def _warn(message: str) -> None:
 
 def _read(run_dir: Path, cfg: CoreConfig, result: dict) -> Run:
     members = tuple(_read(Path(c.run_dir), c, result)
-                    for c in grid.member_configs(cfg, run_dir)) if is_grid(cfg) else ()
+                    for c in kind_of(cfg).members(run_dir, cfg))
     return Run(run_dir, cfg, RunDir(run_dir).read_metrics(),
                bool(result.get("stopped_early", False)), members)
 
@@ -120,7 +101,7 @@ def resolved_config(config=None, *overrides: str, program: str | None = None) ->
     file's content), a YAML path or a built config, with ``key=value`` overrides on top. With
     ``program`` (``"train"`` or ``"mfcl"``), that command's own defaults lie under the file and
     the overrides (``fedjax-rcl mfcl`` starts from MFCL's setting)."""
-    defaults = dict(PROGRAMS[program].defaults) if program else {}
+    defaults = dict(COMMAND_DEFAULTS[program]) if program else {}
     if isinstance(config, CoreConfig):
         if not overrides:
             return config
@@ -167,14 +148,12 @@ def train(config=None, *overrides: str, program: str | None = None,
     if command is None:
         shown = config if not isinstance(config, CoreConfig) else _Literal("<a CoreConfig>")
         command = _python_command("train", (shown, *overrides), {})
-    start = PROGRAMS[program or registry.algorithm(cfg.algorithm).command].start
-    if is_grid(cfg) and program in (None, "train"):
-        start = grid.train_grid
+    kind = kind_of(cfg, program)
     kwargs = dict(dataset=dataset, log=log, command=command, callbacks=tuple(callbacks),
                   progress=progress)
-    if start in (training.train, grid.train_grid):
+    if kind.warns:
         kwargs["warn"] = warn or _warn
-    result = start(cfg, **kwargs)
+    result = kind.start(cfg, **kwargs)
     return _read(Path(result["run_dir"]), cfg, result)
 
 
@@ -197,10 +176,9 @@ def resume(run_dir: str | os.PathLike, *overrides: str, force: bool = False,
         return load(run_dir)
     command = command or _python_command("resume", (str(run_dir), *overrides),
                                          {"force": force} if force else {})
-    go_on = (grid.continue_grid if is_grid(cfg)
-             else PROGRAMS[registry.algorithm(cfg.algorithm).command].continue_run)
-    result = go_on(run_dir, cfg, force=force, dataset=dataset, progress=progress, log=log,
-                   command=command, callbacks=tuple(callbacks))
+    result = kind_of(cfg).continue_run(run_dir, cfg, force=force, dataset=dataset,
+                                       progress=progress, log=log, command=command,
+                                       callbacks=tuple(callbacks))
     return _read(run_dir, cfg, result)
 
 
@@ -211,11 +189,11 @@ def evaluate(run_dir: str | os.PathLike, *, dataset: ImageDataset | None = None,
     with ``"fell_back_from"`` and ``"reason"`` when the newest checkpoint is damaged and an
     older one was evaluated (``strict``: raise ``ConfigError`` instead); for several runs in
     one program (``seeds=[...]``), ``{"run_dir", "runs": [each run's], and the mean and sd
-    over them of "test_accuracy" and "test_loss"}``."""
-    _, cfg = load_run_config(Path(run_dir))
-    if not is_grid(cfg):
-        return training.evaluate_run(run_dir, dataset=dataset, strict=strict)
-    return grid.evaluate_grid(run_dir, cfg, dataset=dataset, strict=strict)
+    over them of "test_accuracy" and "test_loss"}``. An MFCL run is refused
+    (``ConfigError``): its evaluation is the linear probe its own run writes."""
+    run_dir = Path(run_dir)
+    _, cfg = load_run_config(run_dir)
+    return kind_of(cfg).evaluate(run_dir, cfg, dataset=dataset, strict=strict)
 
 
 def load(run_dir: str | os.PathLike) -> Run:

@@ -57,7 +57,6 @@ from fedjax_rcl.checkpoint import Checkpointer
 from fedjax_rcl.config import (
     CoreConfig,
     SweepConfig,
-    config_digest,
     degenerate_settings,
     grid_members,
     with_setting,
@@ -80,12 +79,13 @@ from fedjax_rcl.loop import (
     TrainingError,
     locked_run,
     new_run,
+    require_command,
+    restore_checked,
     resumed_records,
     run_stage,
     save_checkpoint,
 )
 from fedjax_rcl.training import (
-    Program,
     check_finite,
     checkpoint_meta,
     compile_analysis,
@@ -390,8 +390,7 @@ def _grid_stage(exps: list[Experiment], program: GridProgram, ckpts: list[Checkp
     cfg = exps[0].cfg
     histories = histories or [()] * len(exps)
     analyses = program.analyses or (None,) * len(exps)
-    members = [rounds_stage(e, Program(advance=None, evaluate=None, compile_s=0.0, analyze=z),
-                            c, a, p, h)
+    members = [rounds_stage(e, None, c, a, p, h, analyze=z)
                for e, c, a, p, h, z in zip(exps, ckpts, emas, priors, histories, analyses,
                                            strict=True)]
     analysis = bool(cfg.analysis_every)
@@ -475,11 +474,10 @@ def _run_grid(parent: Path, exps: list[Experiment], ckpts: list[Checkpointer], s
 
 
 def _check_command(cfg: CoreConfig) -> None:
-    runs_with = registry.algorithm(cfg.algorithm).command
-    if runs_with != "train":
-        raise ConfigError([f"seeds={list(cfg.seeds)}, sweep.key={cfg.sweep.key!r}: several "
-                           f"runs in one program are 'fedjax-rcl train' runs; algorithm="
-                           f"{cfg.algorithm!r} runs with 'fedjax-rcl {runs_with}'"])
+    require_command(cfg, "train", lambda runs_with: (
+        f"seeds={list(cfg.seeds)}, sweep.key={cfg.sweep.key!r}: several runs in one program "
+        f"are 'fedjax-rcl train' runs; algorithm={cfg.algorithm!r} runs with 'fedjax-rcl "
+        f"{runs_with}'"))
 
 
 def train_grid(cfg: CoreConfig, *, dataset: ImageDataset | None = None, progress: bool = True,
@@ -566,10 +564,12 @@ def continue_grid(run_dir: Path, cfg: CoreConfig, *, force: bool = False,
 
 
 def _restore_common(exps: list[Experiment], ckpts: list[Checkpointer], force: bool) -> list:
-    """Every member's checkpoint of the newest round all of them have."""
+    """Every member's checkpoint of the newest round all of them have, each written with
+    the member's config (``loop.restore_checked``)."""
     latest = None
     for _ in range(2):  # the newest of each, then all at the oldest of those
-        restored = [c.restore_latest(e.table.checkpoint(e.state), at_most=latest)
+        restored = [restore_checked(c, e.table.checkpoint(e.state), e.cfg, e.cfg.run_dir,
+                                    force=force, against="the grid's", at_most=latest)
                     for e, c in zip(exps, ckpts, strict=True)]
         if any(r is None for r in restored):
             bad = [e.cfg.run_dir for e, r in zip(exps, restored, strict=True) if r is None]
@@ -582,12 +582,6 @@ def _restore_common(exps: list[Experiment], ckpts: list[Checkpointer], force: bo
     else:
         raise ConfigError([f"the members have no checkpoint of one common round (newest: "
                            f"{sorted(steps)})"])
-    for e, r in zip(exps, restored, strict=True):
-        digest = r.meta.get("config_digest")
-        if digest != config_digest(e.cfg) and not force:
-            raise ConfigError([f"resume: the checkpoint in {e.cfg.run_dir} was written with a "
-                               "different config than the grid's; pass --force to continue "
-                               "anyway"])
     return restored
 
 

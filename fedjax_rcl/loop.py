@@ -17,7 +17,9 @@ phase-2 server epochs for ``mfcl``), each advanced to its end by ``run_stage``:
 
 ``new_run`` and ``locked_run`` hold what starting and continuing a run directory share: the
 checks before anything is written, the exclusive lock, the resolved ``config.yaml``, the
-provenance records and the interrupt status line.
+provenance records and the interrupt status line; ``require_command`` refuses a config another
+command runs, and ``restore_checked`` reads a checkpoint back only if the config that wrote it
+is the one the run continues with.
 """
 
 from __future__ import annotations
@@ -33,12 +35,13 @@ from typing import Any
 
 import jax
 
-from fedjax_rcl import interrupts, provenance, rundir
-from fedjax_rcl.checkpoint import Checkpointer
+from fedjax_rcl import interrupts, provenance, registry, rundir
+from fedjax_rcl.checkpoint import Checkpointer, Restored
 from fedjax_rcl.config import (
     RESUME_SAFE_KEYS,
     CoreConfig,
     changed_keys,
+    config_digest,
     load_config,
     to_dict,
     to_yaml,
@@ -48,7 +51,8 @@ from fedjax_rcl.tracking import Trackers
 from fedjax_rcl.validation import ConfigError
 
 __all__ = ["Callback", "Sink", "Stage", "TrainingError", "load_run_config", "locked_run", "new_run",
-           "progress_text", "resume_config", "resumed_records", "run_stage", "save_checkpoint"]
+           "progress_text", "require_command", "restore_checked", "resume_config",
+           "resumed_records", "run_stage", "save_checkpoint"]
 
 
 class TrainingError(RuntimeError):
@@ -320,3 +324,28 @@ def resume_config(run_dir: Path, overrides=(), *, force: bool = False) -> CoreCo
                            f"(only {', '.join(RESUME_SAFE_KEYS)} may change); pass --force to "
                            "continue anyway"])
     return cfg
+
+
+def require_command(cfg: CoreConfig, command: str, refusal: Callable[[str], str]) -> None:
+    """Refuses (``ConfigError``) a config whose algorithm another command runs: the registry
+    names the command of each algorithm (``"train"``, ``"mfcl"``). ``refusal(runs_with)`` is
+    the message, in the words of what was asked (start, continue, a grid)."""
+    runs_with = registry.algorithm(cfg.algorithm).command
+    if runs_with != command:
+        raise ConfigError([refusal(runs_with)])
+
+
+def restore_checked(ckpt: Checkpointer, like, cfg: CoreConfig, where: Path | str, *,
+                    force: bool, against: str = "config.yaml now holds",
+                    at_most: int | None = None, warn=None) -> Restored | None:
+    """The newest complete checkpoint (of step ``at_most`` or earlier) that restores into
+    ``like``'s structure, None if there is none; refused (``ConfigError``) unless ``force``
+    when the config that wrote it (its ``config_digest``) is not ``cfg``: the run would go on
+    with settings its checkpoint was not trained with. ``where``: the directory the message
+    names; ``against``: what the checkpoint's config differs from."""
+    restored = ckpt.restore_latest(like, at_most=at_most, warn=warn)
+    if (restored is not None and restored.meta.get("config_digest") != config_digest(cfg)
+            and not force):
+        raise ConfigError([f"resume: the checkpoint in {where} was written with a different "
+                           f"config than {against}; pass --force to continue anyway"])
+    return restored

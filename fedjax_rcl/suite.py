@@ -251,10 +251,34 @@ def _paper_lines(suite: dict, ours: dict[str, float], last: int) -> list[str]:
     return lines
 
 
+def _table_rows(suite: dict) -> list[tuple[str, str, RunDir]]:
+    """``(row label, the suite's run name, run directory)`` of each row of the table: a run,
+    or each member of a run that is a grid (``seeds``, ``sweep``; its own ``metrics.jsonl``
+    is empty), labelled ``<run>/<member>``."""
+    rows = []
+    for name in suite["runs"]:
+        run = RunDir(Path(suite["runs_dir"]) / name)
+        rows += [(f"{name}/{m.path.name}", name, m) for m in run.members()] or [(name, name, run)]
+    return rows
+
+
+def _probe_note(label: str, rows: list[dict]) -> str:
+    """An MFCL run's linear probe accuracy (its evaluation), or that it is not written yet."""
+    probe = next((r for r in reversed(rows) if r.get("phase") == "probe"), None)
+    if probe is None or "linear_probe_accuracy" not in probe:
+        return f"{label}: probe not written yet"
+    return f"{label}: linear probe accuracy {probe['linear_probe_accuracy']:.4f}"
+
+
 def table(suite: dict, out: Path) -> str:
     """Writes ``out/table.md`` (EMA at the report rounds, the mean over the last ten, the
     best, and the paper's values with the rank correlation of the orderings when the suite
-    gives them under ``paper``) and ``out/ema_accuracy.png``; returns the table."""
+    gives them under ``paper``) and ``out/ema_accuracy.png``; returns the table.
+
+    A grid's members (``seeds``, ``sweep``) are a row each (``<run>/<member>``), beside the
+    paper's values only for a run of one row. An MFCL run has no test accuracy per round: its
+    row gives the phase-1 rounds done, and a note under the table its linear probe accuracy.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
@@ -275,10 +299,17 @@ def table(suite: dict, out: Path) -> str:
     ours: dict[str, float] = {}
     marked: list[str] = []
     groups: dict[str, list[str]] = {}
-    metrics = {name: RunDir(Path(suite["runs_dir"]) / name).read_metrics()
-               for name in suite["runs"]}
-    for name, overrides in suite["runs"].items():
-        rows = metrics[name]
+    table_rows = _table_rows(suite)
+    metrics: dict[str, list[dict]] = {}
+    probes: list[str] = []
+    for label, name, run in table_rows:
+        overrides = suite["runs"][name]
+        every = run.read_metrics()
+        # The lines with a test accuracy (an MFCL run's phase lines have none).
+        rows = metrics[label] = [r for r in every
+                                 if "round" in r and "test_accuracy_ema" in r]
+        if run.is_mfcl() or any("phase" in r for r in every):
+            probes.append(_probe_note(label, every))
         by_round = {r["round"]: r for r in rows}
         # The paper's EMA is per round: a run evaluated less often is marked, and its EMA is
         # kept out of the comparison with the paper's values.
@@ -292,16 +323,16 @@ def table(suite: dict, out: Path) -> str:
         # Over the suite's rounds only: a run that went further is not compared on more rounds.
         best = max((r["test_accuracy"] for r in rows if r["round"] <= suite["rounds"]),
                    default=None)
-        done = rows[-1]["round"] if rows else 0
+        done = run.last_round()
         if last in by_round and not mark:
-            ours[name] = by_round[last]["test_accuracy_ema"]
-        marked += [name] if mark else []
-        lines.append(f"| {name} | {' '.join(overrides)} | {done} | " + " | ".join(cells)
+            ours[label] = by_round[last]["test_accuracy_ema"]
+        marked += [label] if mark else []
+        lines.append(f"| {label} | {' '.join(overrides)} | {done} | " + " | ".join(cells)
                      + f" | {mean} | {'—' if best is None else f'{best:.4f}'} |"
-                     + "".join(f" {paper.get(name, {}).get(c, '—')} |" for c in columns))
+                     + "".join(f" {paper.get(label, {}).get(c, '—')} |" for c in columns))
         group = suite.get("group_by")
         key = next((o for o in overrides if group and o.startswith(f"{group}=")), "all")
-        groups.setdefault(key, []).append(name)
+        groups.setdefault(key, []).append(label)
     out.mkdir(parents=True, exist_ok=True)
     fig, axes = plt.subplots(1, len(groups), figsize=(6 * len(groups), 4.2), squeeze=False)
     for ax, (key, names) in zip(axes[0], sorted(groups.items()), strict=True):
@@ -326,6 +357,9 @@ def table(suite: dict, out: Path) -> str:
                      + ", ".join(marked) + ".")
     if notes:
         lines += ["", *notes, "", f"Paper values: {suite.get('paper_source', 'the paper')}."]
+    if probes:
+        lines += ["", "MFCL runs are evaluated by the linear probe, not test accuracy per "
+                  "round: " + "; ".join(probes) + "."]
     text = "\n".join(lines) + "\n"
     (out / "table.md").write_text(text)
     return text

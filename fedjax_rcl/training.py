@@ -19,7 +19,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from fedjax_rcl import interrupts, registry
+from fedjax_rcl import interrupts
 from fedjax_rcl.checkpoint import Checkpointer, Restored
 from fedjax_rcl.config import (
     CoreConfig,
@@ -41,6 +41,8 @@ from fedjax_rcl.loop import (
     locked_run,
     new_run,
     progress_text,
+    require_command,
+    restore_checked,
     resume_config,
     resumed_records,
     run_stage,
@@ -50,7 +52,7 @@ from fedjax_rcl.metrics import RECENT_WINDOWS, ema, recent_mean
 from fedjax_rcl.rundir import RunDir, atomic_write_lines
 from fedjax_rcl.validation import ConfigError
 
-__all__ = ["Program", "TrainingError", "check_finite",
+__all__ = ["CompiledRounds", "TrainingError", "check_finite",
            "checkpoint_meta", "checkpoint_tree", "compile_analysis", "compile_program",
            "continue_run", "cut_back", "evaluate_run", "load_run", "plot_run", "prior_seconds",
            "progress_line", "resume", "rounds_stage", "state_from_checkpoint", "train"]
@@ -79,10 +81,11 @@ def checkpoint_meta(cfg: CoreConfig, done: int, acc_ema: float | None) -> dict:
 
 
 @dataclasses.dataclass(frozen=True)
-class Program:
-    """A compiled run: ``advance(state, n) -> (state, metrics [n])`` for the rounds between
-    evaluations, ``evaluate(params, model_state, test)``, the seconds compiling took, and
-    with ``analysis_every`` the representation analysis, its programs compiled too."""
+class CompiledRounds:
+    """A single run's compiled programs: ``advance(state, n) -> (state, metrics [n])`` for the
+    rounds between evaluations, ``evaluate(params, model_state, test)``, the seconds compiling
+    took, and with ``analysis_every`` the representation analysis, its programs compiled
+    too."""
 
     advance: Advance
     evaluate: Callable
@@ -97,7 +100,7 @@ def compile_analysis(exp: Experiment, state: ServerState) -> Callable:
     return analyze
 
 
-def compile_program(exp: Experiment, log: Callable[[str], None] = _silent) -> Program:
+def compile_program(exp: Experiment, log: Callable[[str], None] = _silent) -> CompiledRounds:
     """Compiles, once, before the loop, everything the loop runs: the rounds (through the
     experiment's client-table strategy), the evaluation and, with ``analysis_every``, the
     analysis, so that the time it prints is the time until the first round can run."""
@@ -109,7 +112,7 @@ def compile_program(exp: Experiment, log: Callable[[str], None] = _silent) -> Pr
     analyze = compile_analysis(exp, exp.state) if exp.cfg.analysis_every else None
     compile_s = time.perf_counter() - t0
     log(f"compiled in {compile_s:.1f} s")
-    return Program(advance, evaluate, compile_s, analyze)
+    return CompiledRounds(advance, evaluate, compile_s, analyze)
 
 
 def checkpoint_tree(exp: Experiment, state: ServerState):
@@ -143,19 +146,24 @@ def _numbers(record: dict) -> str:
             f"(EMA {record['test_accuracy_ema']:.4f})")
 
 
-def rounds_stage(exp: Experiment, program: Program, ckpt: Checkpointer, acc_ema: float | None,
-                  prior_s: float, history: Sequence[tuple[int, float]] = ()) -> Stage:
+def rounds_stage(exp: Experiment, program: CompiledRounds | None, ckpt: Checkpointer,
+                 acc_ema: float | None, prior_s: float,
+                 history: Sequence[tuple[int, float]] = (), *, analyze: Callable | None = None
+                 ) -> Stage:
     """The federated rounds as a stage of the run loop. ``history``: the ``(round, test
     accuracy)`` of the run's earlier evaluations (a resumed run's), for the means over the last
-    rounds."""
+    rounds. ``program`` None: a grid's member, whose rounds the grid's program advances (the
+    stage gives its metrics line, checkpoint and per-client lines), its compiled analysis
+    ``analyze``."""
     cfg = exp.cfg
     recent = list(history)
-    analyze = program.analyze
+    analyze = program.analyze if program is not None else analyze
     if cfg.analysis_every and analyze is None:
         analyze = exp.analysis(cfg.analysis_images)
     ema_now = [acc_ema]
 
     def advance(state, done, n):
+        assert program is not None, "a grid member's rounds are advanced by the grid"
         state, metrics = program.advance(state, n)
         check_finite(metrics, done, n)
         interrupts.test_point("evaluating", done + n)
@@ -334,10 +342,9 @@ def train(cfg: CoreConfig, *, dataset: ImageDataset | None = None, progress: boo
     and local losses; with ``client_eval`` their accuracies on their own data before and after
     local training).
     """
-    runs_with = registry.algorithm(cfg.algorithm).command
-    if runs_with != "train":
-        raise ConfigError([f"algorithm={cfg.algorithm!r}: runs with 'fedjax-rcl {runs_with}' "
-                           "(train runs the client algorithms)"])
+    require_command(cfg, "train", lambda runs_with: (
+        f"algorithm={cfg.algorithm!r}: runs with 'fedjax-rcl {runs_with}' (train runs the "
+        "client algorithms)"))
     if is_grid(cfg):
         raise ConfigError([f"seeds={list(cfg.seeds)}, sweep.key={cfg.sweep.key!r}: several "
                            "runs train with "
@@ -386,10 +393,9 @@ def continue_run(run_dir: Path, cfg: CoreConfig, *, force: bool = False,
                  log: Callable[[str], None] = print, command: str | None = None,
                  callbacks: tuple[Callback, ...] = ()) -> dict:
     """``resume`` with the config already read and checked (``loop.resume_config``)."""
-    runs_with = registry.algorithm(cfg.algorithm).command
-    if runs_with != "train":
-        raise ConfigError([f"run_dir={str(run_dir)!r}: a 'fedjax-rcl {runs_with}' run; continue "
-                           f"it with 'fedjax-rcl resume {run_dir}'"])
+    require_command(cfg, "train", lambda runs_with: (
+        f"run_dir={str(run_dir)!r}: a 'fedjax-rcl {runs_with}' run; continue it with "
+        f"'fedjax-rcl resume {run_dir}'"))
     _join_cluster(cfg)
     with locked_run(run_dir, primary=is_primary()):
         return _resume_locked(run_dir, cfg, force=force, dataset=dataset, progress=progress,
@@ -404,7 +410,12 @@ def _resume_locked(run_dir: Path, cfg: CoreConfig, *, force: bool,
     exp = build(cfg, dataset)
     run = RunDir(run_dir)
     ckpt = Checkpointer(run.checkpoint_dir(), keep=cfg.keep_checkpoints)
-    restored = ckpt.restore_latest(exp.table.checkpoint(exp.state))
+    try:
+        restored = restore_checked(ckpt, exp.table.checkpoint(exp.state), cfg, run_dir,
+                                   force=force)
+    except ConfigError:
+        ckpt.close()
+        raise
     if restored is None:
         if run.read_metrics():
             ckpt.close()
@@ -414,11 +425,6 @@ def _resume_locked(run_dir: Path, cfg: CoreConfig, *, force: bool,
         log(f"{run_dir}: no complete checkpoint yet; starting the run from round 0")
         restored = Restored(exp.table.checkpoint(exp.state), checkpoint_meta(cfg, 0, None), 0)
         save_checkpoint(ckpt, run_dir, 0, restored.state, restored.meta, "round 0")
-    digest = restored.meta.get("config_digest")
-    if digest != config_digest(cfg) and not force:
-        ckpt.close()
-        raise ConfigError([f"resume: the checkpoint in {run_dir} was written with a different "
-                           "config than config.yaml now holds; pass --force to continue anyway"])
     done = restored.step
     ckpt.set_aside([s for s in ckpt.steps() if s > done])  # the damaged ones we skipped
     cut_back(run_dir, cfg, done, command=command)

@@ -85,3 +85,40 @@ def test_bad_input_raises_the_command_lines_message(tmp_path):
         fedjax_rcl.resume(tmp_path)
     with pytest.raises(TypeError, match="a dict, a YAML path"):
         fedjax_rcl.train(42)
+
+
+def test_evaluate_takes_a_single_run_and_a_grid_and_refuses_an_mfcl_run_in_one_line(
+        tmp_path, capsys):
+    """``evaluate`` looks a run's kind up once (``programs.kind_of``): a single run and a grid
+    (each member's checkpoint, their mean) are evaluated; MFCL, whose evaluation is the probe
+    its own run writes, is refused in one line rather than read from checkpoints it does not
+    have, from Python and from ``fedjax-rcl eval``."""
+    from fedjax_rcl.cli import main
+    from fedjax_rcl.config import load_config, to_yaml
+    from fedjax_rcl.mfcl.run import MFCL_DEFAULTS
+
+    single = fedjax_rcl.train(None, *TINY, "rounds=1", f"run_dir={tmp_path / 'single'}")
+    ev = fedjax_rcl.evaluate(single.run_dir)
+    assert ev["round"] == 1 and ev["test_accuracy"] == pytest.approx(
+        single.last["test_accuracy"], abs=1e-6)
+    grid = fedjax_rcl.train(None, *TINY, "rounds=1", "seeds=[0,1]",
+                            f"run_dir={tmp_path / 'grid'}")
+    ev = fedjax_rcl.evaluate(grid.run_dir)
+    assert [r["round"] for r in ev["runs"]] == [1, 1]
+    assert [r["test_accuracy"] for r in ev["runs"]] == pytest.approx(
+        [m.last["test_accuracy"] for m in grid.members], abs=1e-6)
+    mfcl = tmp_path / "mfcl"
+    mfcl.mkdir()
+    (mfcl / "config.yaml").write_text(to_yaml(load_config(
+        None, ["dataset=digits", f"run_dir={mfcl}"], defaults=MFCL_DEFAULTS)))
+    with pytest.raises(fedjax_rcl.ConfigError) as err:
+        fedjax_rcl.evaluate(mfcl)
+    assert err.value.problems == [
+        f"run_dir={str(mfcl)!r}: an MFCL run; its evaluation is the linear probe, which "
+        "'fedjax-rcl mfcl' and 'fedjax-rcl resume' write to metrics.jsonl (the line with "
+        "\"phase\": \"probe\"); eval evaluates the checkpoints of 'fedjax-rcl train' runs"]
+    capsys.readouterr()
+    assert main(["eval", str(mfcl)]) == 2
+    out = capsys.readouterr()
+    assert out.out == "" and len(out.err.strip().splitlines()) == 1
+    assert "an MFCL run; its evaluation is the linear probe" in out.err

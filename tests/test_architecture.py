@@ -34,7 +34,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("config", ("tracking", "config")),
     ("experiment", ("experiment", "mfcl", "report", "reference")),
     ("loop", ("loop",)),
-    ("programs", ("training", "mfcl.run", "grid")),
+    ("programs", ("training", "mfcl.run", "grid", "programs")),
     ("entry points", ("api", "suite", "cli", "__main__", "")),
     # The benchmark kit (tools/bench_*.py): above the simulator, which it may import; nothing
     # outside it imports it (test_the_simulator_never_imports_the_benchmark_kit).

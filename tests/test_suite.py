@@ -324,3 +324,33 @@ def test_overrides_apply_to_every_run_are_recorded_and_unknown_keys_refused(tmp_
     spec = suite_tool.with_overrides(suite_tool.load_suite("suite.yaml"), ["lr=0.05"])
     assert suite_tool._command({**spec, "rounds": 2}, "a", 2)[:4] == [
         "fedjax-rcl", "resume", str(Path("runs", "a")), "lr=0.05"]
+
+
+def test_table_of_a_grid_and_an_mfcl_run(tmp_path):
+    """A grid's own metrics are empty: its members are a row each; an MFCL run has no test
+    accuracy per round: its row gives its phase-1 rounds, a note its probe accuracy (both
+    failed, the MFCL run with a KeyError)."""
+    pytest.importorskip("matplotlib")
+    suite = {"base": "base.yaml", "runs_dir": str(tmp_path / "runs"), "rounds": 10,
+             "report_rounds": [10], "runs": {"g": ["seeds=[1,2]"], "m": ["algorithm=mfcl"],
+                                              "n": ["algorithm=mfcl"]}}
+    grid = tmp_path / "runs" / "g"
+    _write_run(grid / "seed-1", np.full(10, 0.5))
+    _write_run(grid / "seed-2", np.full(8, 0.25))
+    (grid / "config.yaml").write_text("seeds: [1, 2]\n")
+    (grid / "metrics.jsonl").write_text("")
+    for name, probe in (("m", [{"phase": "probe", "linear_probe_accuracy": 0.625}]),
+                        ("n", [])):
+        run = tmp_path / "runs" / name
+        (run / "checkpoints" / "phase1").mkdir(parents=True)
+        lines = [{"phase": 1, "round": 3, "train_bce": 0.5, "test_bce": 0.5},
+                 {"phase": 2, "epoch": 1, "server_loss": 1.0}, *probe]
+        (run / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    text = suite_tool.table(suite, tmp_path / "out")
+    rows = {cells[0]: cells for cells in ([c.strip() for c in line.split("|")[1:-1]]
+                                          for line in text.splitlines()[2:] if "|" in line)}
+    assert rows["g/seed-1"][2:] == ["10", f"{rows['g/seed-1'][3]}", "0.5000", "0.5000"]
+    assert rows["g/seed-2"][2:] == ["8", "—", "—", "0.2500"]
+    assert rows["m"][2:] == ["3", "—", "—", "—"] and rows["n"][2:] == ["3", "—", "—", "—"]
+    assert ("MFCL runs are evaluated by the linear probe, not test accuracy per round: m: "
+            "linear probe accuracy 0.6250; n: probe not written yet.") in text

@@ -28,10 +28,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from fedjax_rcl import interrupts, provenance
+from fedjax_rcl import interrupts
 from fedjax_rcl.algorithms.mfcl import reconstruction_bce
 from fedjax_rcl.checkpoint import Checkpointer
-from fedjax_rcl.config import CoreConfig, config_digest, to_yaml
+from fedjax_rcl.config import CoreConfig, config_digest
 from fedjax_rcl.data import ImageDataset, load_dataset
 from fedjax_rcl.data.augment import normalize
 from fedjax_rcl.engine.sharding import to_host
@@ -42,7 +42,9 @@ from fedjax_rcl.loop import (
     TrainingError,
     locked_run,
     new_run,
-    resume_config,
+    require_command,
+    restore_checked,
+    resumed_records,
     run_stage,
     save_checkpoint,
 )
@@ -51,7 +53,7 @@ from fedjax_rcl.mfcl.encoder import _padded, client_encoder, represent_all
 from fedjax_rcl.mfcl.probe import adam_probe, lbfgs_probe
 from fedjax_rcl.mfcl.resources import format_resources, mfcl_resources
 from fedjax_rcl.models.mfcl import ServerModel
-from fedjax_rcl.rundir import RunDir, atomic_write_lines, atomic_write_text
+from fedjax_rcl.rundir import RunDir, atomic_write_text
 from fedjax_rcl.validation import ConfigError
 
 # What ``fedjax-rcl mfcl`` starts from before the YAML file and the overrides: MFCL's phase-1
@@ -371,8 +373,8 @@ def run_mfcl(cfg: CoreConfig, *, dataset: ImageDataset | None = None,
              log: Callable[[str], None] = print, command: str | None = None,
              progress: bool = True, callbacks=()) -> dict:
     """Runs MFCL from scratch (``cfg.algorithm == "mfcl"``); returns the probe's record."""
-    if cfg.algorithm != "mfcl":
-        raise ConfigError([f"algorithm={cfg.algorithm!r}: the mfcl command runs algorithm=mfcl"])
+    require_command(cfg, "mfcl", lambda runs_with: (
+        f"algorithm={cfg.algorithm!r}: the mfcl command runs algorithm=mfcl"))
     if cfg.seeds:
         raise ConfigError([f"seeds={list(cfg.seeds)}: mfcl runs one seed per command (use "
                            "seed=)"])
@@ -387,17 +389,14 @@ def run_mfcl(cfg: CoreConfig, *, dataset: ImageDataset | None = None,
         return _loop(exp, run_dir, exp.state, 0, False, log, callbacks)
 
 
-def _trim_metrics(run: RunDir, done1: int, done2: int) -> None:
-    """Keeps the lines up to the checkpoints being resumed from (phase-1 round ``done1``,
+def _kept_lines(run: RunDir, done1: int, done2: int) -> list[str]:
+    """The metrics lines up to the checkpoints being resumed from (phase-1 round ``done1``,
     phase-2 epoch ``done2``); the probe's line goes (it is recomputed)."""
-    if not run.metrics.exists():
-        return
-
     def kept(r: dict) -> bool:
         return ((r.get("phase") == 1 and r["round"] <= done1)
                 or (r.get("phase") == 2 and r["epoch"] <= done2))
 
-    atomic_write_lines(run.metrics, [x for x in run.metric_lines() if kept(json.loads(x))])
+    return [x for x in run.metric_lines() if kept(json.loads(x))]
 
 
 def resume_mfcl(run_dir: Path, cfg: CoreConfig, *, force: bool = False,
@@ -410,20 +409,14 @@ def resume_mfcl(run_dir: Path, cfg: CoreConfig, *, force: bool = False,
     run_dir = Path(run_dir)
     run = RunDir(run_dir)
     with locked_run(run_dir):
-        with interrupts.critical():
-            atomic_write_text(run.config, to_yaml(cfg))
         log(f"loading data: {cfg.dataset} ...")
         exp = build(cfg, mfcl_dataset(cfg, dataset))
         ckpt = Checkpointer(run.checkpoint_dir("phase1"), keep=cfg.keep_checkpoints)
         try:
-            restored = ckpt.restore_latest(exp.state)
+            restored = restore_checked(ckpt, exp.state, cfg, run_dir, force=force)
         finally:
             ckpt.close()
         state, done1 = (exp.state, 0) if restored is None else (restored.state, restored.step)
-        if (restored is not None and restored.meta.get("config_digest") != config_digest(cfg)
-                and not force):
-            raise ConfigError([f"resume: the checkpoint in {run_dir} was written with a "
-                               "different config than config.yaml now holds"])
         p2 = Checkpointer(run.checkpoint_dir("phase2"), keep=cfg.keep_checkpoints)
         try:
             steps2 = p2.steps()
@@ -432,18 +425,12 @@ def resume_mfcl(run_dir: Path, cfg: CoreConfig, *, force: bool = False,
         started2 = done1 >= cfg.rounds and bool(steps2)
         done2 = steps2[-1] if started2 else 0
         with interrupts.critical():
-            _trim_metrics(run, done1, done2)
             run.resources.unlink(missing_ok=True)
-        provenance.record(run_dir, command, done1, cfg.plugins)
+        resumed_records(run_dir, cfg, _kept_lines(run, done1, done2), command=command,
+                        first=done1)
         where = f"phase 2 epoch {done2}" if started2 else f"phase 1 round {done1}"
         interrupts.resume_status(run_dir, where)
         log(_describe(exp, run_dir))
         log(f"resuming from the checkpoint of {where}")
         return _loop(exp, run_dir, state, done1, started2, log, callbacks)
 
-
-def resume(run_dir: str | Path, overrides=(), *, force: bool = False, **kwargs) -> dict:
-    """``resume_mfcl`` with the run's config read and checked (``loop.resume_config``)."""
-    run_dir = Path(run_dir)
-    return resume_mfcl(run_dir, resume_config(run_dir, overrides, force=force), force=force,
-                       **kwargs)
