@@ -38,10 +38,10 @@ import jax
 from fedjax_rcl import interrupts, provenance, registry, rundir
 from fedjax_rcl.checkpoint import Checkpointer, Restored
 from fedjax_rcl.config import (
-    RESUME_SAFE_KEYS,
     CoreConfig,
     changed_keys,
     config_digest,
+    keys_declared,
     load_config,
     to_dict,
     to_yaml,
@@ -316,13 +316,13 @@ def load_run_config(run_dir: Path, overrides=()) -> tuple[CoreConfig, CoreConfig
 
 def resume_config(run_dir: Path, overrides=(), *, force: bool = False) -> CoreConfig:
     """The config a run continues with: its own, with ``overrides``; overrides that would
-    change its results (anything but ``RESUME_SAFE_KEYS``) are refused unless ``force``."""
+    change its results (any key not declared ``resume_safe``) are refused unless ``force``."""
     saved, cfg = load_run_config(run_dir, overrides)
     changed = changed_keys(saved, cfg)
     if changed and not force:
+        may = ", ".join(keys_declared(resume_safe=True))
         raise ConfigError([f"resume: {', '.join(changed)} would change the run's results "
-                           f"(only {', '.join(RESUME_SAFE_KEYS)} may change); pass --force to "
-                           "continue anyway"])
+                           f"(only {may} may change); pass --force to continue anyway"])
     return cfg
 
 

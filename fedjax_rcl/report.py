@@ -44,15 +44,15 @@ from pathlib import Path
 
 import yaml
 
-from fedjax_rcl.config import flat_keys
+from fedjax_rcl.config import flat_keys, keys_declared
 from fedjax_rcl.metrics import RECENT_WINDOWS
 from fedjax_rcl.rundir import RunDir
 
-# Keys that say nothing about what a run is.
-_IGNORED = {"run_dir", "rounds", "checkpoint_every", "keep_checkpoints", "eval_batch_size",
-            "data_dir", "analysis_every", "analysis_images", "plugins", "conv_impl", "devices",
-            "clients_in_parallel", "client_states", "distributed.coordinator_address",
-            "distributed.process_id", "distributed.num_processes"}
+
+def _ignored() -> set[str]:
+    """Keys that say nothing about what a run is (declared ``report=False`` where they are:
+    where its files go, how it is laid out on the hardware)."""
+    return set(keys_declared(report=False))
 
 
 class ReportError(ValueError):
@@ -114,9 +114,10 @@ def _result_keys(config: dict) -> dict:
     from fedjax_rcl import registry
 
     section, opt = _section(config.get("algorithm")), config.get("server.optimizer")
+    ignored = _ignored()
     out = {}
     for k, v in config.items():
-        if k in _IGNORED or k.startswith("distributed."):
+        if k in ignored:
             continue
         head = k.split(".")[0]
         if "." not in k or head == section or k == "server.optimizer" or (
@@ -221,10 +222,11 @@ def describe(runs: Sequence[Run]) -> str:
     return ", ".join(parts) or "one setting"
 
 
-# Runs that differ only in these share a cell (seeds of one setting). The threefry bit layout
-# of the initial weights is part of the random draw, as the seed is: it changes which weights
-# are drawn, not from which distribution.
-_REPLICATE_KEYS = {"seed", "seeds", "init_threefry_partitionable"}
+def _replicate_keys() -> set[str]:
+    """Runs that differ only in these share a cell (seeds of one setting): the keys declared
+    ``replicate`` (``seed``, and the threefry bit layout of the initial weights, which changes
+    which weights are drawn, not from which distribution)."""
+    return set(keys_declared(replicate=True))
 
 
 def _compared(key: str, value):
@@ -250,7 +252,7 @@ def _applies(key: str, config: dict) -> bool:
 def group(runs: Sequence[Run]) -> tuple[list[str], list[str], dict]:
     """``(methods, settings, cells)``: labels in first-seen order, ``cells[(m, s)]`` runs (the
     seeds of one method and setting share a cell)."""
-    keys = sorted({k for r in runs for k in r.config} - _IGNORED - _REPLICATE_KEYS)
+    keys = sorted({k for r in runs for k in r.config} - _ignored() - _replicate_keys())
     # A section's key is compared among the runs that have it (its algorithm's runs); a
     # split's parameter among the runs whose split reads it.
     differing = [k for k in keys

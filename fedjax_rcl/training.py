@@ -379,8 +379,8 @@ def resume(run_dir: str | Path, overrides=(), *, force: bool = False,
     The result is identical to a run that was never interrupted: the checkpoint holds
     everything the next round reads, and every key depends only on (seed, round, client).
     ``metrics.jsonl`` is cut back to the checkpoint's round and continues from there. Overrides
-    that change results (anything but ``config.RESUME_SAFE_KEYS``) are refused unless
-    ``force``. (``fedjax_rcl.api.resume`` continues a run of any command.)
+    that change results (any key not declared ``resume_safe``) are refused unless ``force``.
+    (``fedjax_rcl.api.resume`` continues a run of any command.)
     """
     run_dir = Path(run_dir)
     return continue_run(run_dir, resume_config(run_dir, overrides, force=force), force=force,

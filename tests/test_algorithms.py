@@ -10,6 +10,7 @@ import pytest
 from engine_reference import sequential_local_updates, sequential_round
 
 from fedjax_rcl.algorithms import ALGORITHMS, Batch, LocalContext, fedprox, fedrcl
+from fedjax_rcl.algorithms.fedprox import FedProxConfig
 from fedjax_rcl.config import Config
 from fedjax_rcl.experiment import build
 from fedjax_rcl.models import ResNet, get_model, model_fns
@@ -133,7 +134,7 @@ def test_fedrcl_local_loss_decreases_on_a_fixed_batch(toy):
 
 def test_fedprox_term_pulls_towards_the_global_model(toy):
     module = get_model("cnn", num_classes=4, conv_impl="patches")
-    history = _descend(fedprox(mu=1.0), module, _fixed_batch(toy), steps=5)
+    history = _descend(fedprox(FedProxConfig(mu=1.0)), module, _fixed_batch(toy), steps=5)
     assert history[0][1]["prox"] == 0.0  # starts at the global model
     assert 0 < history[-1][1]["prox"] < 1.0
 

@@ -21,8 +21,8 @@ PACKAGE = Path(__file__).resolve().parents[1] / "fedjax_rcl"
 
 # Lowest first. A prefix names a module or a whole subpackage.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("foundation", ("types", "validation", "registry", "interrupts", "console", "rundir",
-                    "provenance")),
+    ("foundation", ("types", "validation", "fields", "registry", "interrupts", "console",
+                    "rundir", "provenance")),
     ("data and numerics", ("data", "datasets", "nn", "losses", "metrics", "plots")),
     ("models", ("models",)),
     ("server", ("server",)),

@@ -1,11 +1,23 @@
 """The config digest that checkpoints carry: it covers exactly the result-deciding settings, and a
-setting added later leaves the digest of every run checkpointed before it unchanged at its default
-(``DIGEST_NEUTRAL_DEFAULTS``): without that, every checkpoint written so far would be refused on
-resume."""
+setting added later (declared ``digest_neutral`` with its field) leaves the digest of every run
+checkpointed before it unchanged at its default: without that, every checkpoint written so far
+would be refused on resume."""
+
+import dataclasses
 
 import pytest
 
-from fedjax_rcl.config import DIGEST_NEUTRAL_DEFAULTS, changed_keys, config_digest, load_config
+from fedjax_rcl import registry
+from fedjax_rcl.config import (
+    changed_keys,
+    config_digest,
+    flat_keys,
+    keys_declared,
+    load_config,
+    to_dict,
+    with_setting,
+)
+from fedjax_rcl.fields import Treatment, declared, setting
 
 
 def test_digest_covers_the_sections_in_use_only():
@@ -64,14 +76,87 @@ def test_init_layout_setting_keeps_older_runs_digest_at_its_default(overrides, d
     assert config_digest(other) != digest
 
 
-def test_every_setting_left_out_of_the_digest_at_its_default_is_a_config_key_at_that_default():
-    """``DIGEST_NEUTRAL_DEFAULTS`` names real keys with their real defaults (a renamed key or a
-    changed default would silently change the digest of the runs it protects)."""
-    from fedjax_rcl.config import flat_keys, to_dict
+# The settings added after checkpoints existed, with the defaults those checkpoints' configs
+# mean: each must stay declared digest-neutral at this default, or their digests change (a
+# setting added later joins by its declaration alone).
+PROTECTED_DEFAULTS = {"mfcl.bn_statistics": "running", "init_threefry_partitionable": False,
+                      "client_eval": False, "precision": "fp32", "seeds": [],
+                      "runs_in_parallel": 1, "sweep.key": None, "sweep.values": [],
+                      "mfcl.probe": "lbfgs",
+                      "mfcl.probe_l2_grid": [1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 1e-1, 1.0, 10.0],
+                      "mfcl.probe_holdout": 0.1, "mfcl.probe_max_iter": 1000,
+                      "mfcl.probe_tol": 1e-5, "mfcl.probe_controls": True,
+                      "mfcl.tn_variance": "pooled", "mfcl.probe_projection": False,
+                      "split_file": None, "transforms": "fedrcl", "partition_version": 1,
+                      "drop_last": False, "sampling_version": 1}
+
+
+def test_the_settings_older_checkpoints_lack_stay_digest_neutral_at_their_defaults():
+    """A renamed key, a lost declaration or a changed default would silently change the digest
+    of the runs it protects; the declared default is also the config's."""
     from fedjax_rcl.mfcl.run import MFCL_DEFAULTS
 
-    flat = flat_keys(to_dict(load_config(None, [], defaults=MFCL_DEFAULTS)))
-    assert {k: flat[k] for k in DIGEST_NEUTRAL_DEFAULTS} == DIGEST_NEUTRAL_DEFAULTS
+    cfg = load_config(None, [], defaults=MFCL_DEFAULTS)
+    settings, flat = declared(cfg), flat_keys(to_dict(cfg))
+    neutral = {k: d.default for k, d in settings.items() if d.treatment.digest_neutral}
+    assert {k: neutral.get(k) for k in PROTECTED_DEFAULTS} == PROTECTED_DEFAULTS
+    assert {k: flat[k] for k in neutral} == neutral
+
+
+def _another(value):
+    """A value other than ``value``, of its kind."""
+    if isinstance(value, bool):
+        return not value
+    if value is None or isinstance(value, str):
+        return f"{value}-other"
+    return [*value, 0.5] if isinstance(value, list) else value + 1
+
+
+@pytest.mark.parametrize("key", keys_declared(digest_neutral=True))
+def test_a_digest_neutral_setting_counts_only_off_its_default(key):
+    base = load_config(None, [])
+    section = key.partition(".")[0]
+    users = [e.name for e in registry.ALGORITHMS.values() if e.section == section]
+    if users:  # an algorithm's section is in the digest while that algorithm runs
+        base = with_setting(base, "algorithm", users[0])
+    default = declared(base)[key].default
+    assert config_digest(with_setting(base, key, default)) == config_digest(base)
+    assert config_digest(with_setting(base, key, _another(default))) != config_digest(base)
+
+
+def test_resume_safe_settings_are_outside_the_digest_and_reports_skip_what_says_nothing():
+    base = load_config(None, [])
+    safe = keys_declared(resume_safe=True)
+    assert {"rounds", "checkpoint_every", "run_dir", "plugins", "distributed.process_id",
+            "tracking.wandb"} <= set(safe)
+    assert "seed" not in safe and "distributed.num_processes" not in safe
+    for key in ("rounds", "eval_batch_size", "analysis_every", "client_metrics"):
+        value = getattr(base, key)
+        assert config_digest(with_setting(base, key, not value if isinstance(value, bool)
+                                          else value + 1)) == config_digest(base), key
+    assert set(keys_declared(replicate=True)) == {"seed", "seeds", "init_threefry_partitionable"}
+    assert {"conv_impl", "devices", "distributed.num_processes", "data_dir"} <= set(
+        keys_declared(report=False))
+
+
+def test_a_section_declares_a_treatment_for_all_its_settings():
+    @dataclasses.dataclass
+    class Inner:
+        a: int = 1
+        b: int = setting(2, report=False)
+
+    @dataclasses.dataclass
+    class Outer:
+        inner: Inner = setting(default_factory=Inner, resume_safe=True)
+        c: list = setting(default_factory=list, digest_neutral=True, replicate=True)
+        d: int = 0
+
+    got = declared(Outer)
+    assert got["inner.a"].treatment == Treatment(resume_safe=True)
+    assert got["inner.b"].treatment == Treatment(resume_safe=True, report=False)
+    assert got["c"] == (Treatment(digest_neutral=True, replicate=True), [])
+    assert got["d"] == (Treatment(), 0)
+    assert declared(Outer(c=[1])) == got  # an instance reads the defaults its class declares
 
 
 def test_switching_algorithms_names_only_the_keys_the_user_changed(tmp_path):

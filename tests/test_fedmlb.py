@@ -11,7 +11,7 @@ import pytest
 from fedjax_rcl import registry
 from fedjax_rcl.algorithms import ALGORITHMS, Batch, LocalContext
 from fedjax_rcl.algorithms.fedavg import cross_entropy
-from fedjax_rcl.algorithms.fedmlb import fedmlb
+from fedjax_rcl.algorithms.fedmlb import FedMLBConfig, fedmlb
 from fedjax_rcl.config import ConfigError, load_config
 from fedjax_rcl.models import get_model, model_fns
 
@@ -78,7 +78,7 @@ def _reference_loss(model, local, glob, ms, batch, name, lambda1, lambda2):
                          [("cnn", 32, 1.0, 1.0), ("resnet10", 8, 0.5, 2.0)])
 def test_objective_equals_spliced_models(name, size, lambda1, lambda2):
     model, batch, local, glob, ms = _setup(name, size)
-    algorithm = fedmlb(model, lambda1=lambda1, lambda2=lambda2)
+    algorithm = fedmlb(model, FedMLBConfig(lambda1=lambda1, lambda2=lambda2))
     ctx = LocalContext(glob, ms, (), jax.random.PRNGKey(2))
     out, _ = model.apply(local, ms, batch.images, train=True)
     loss, terms = algorithm.objective(out, local, batch, ctx)
@@ -94,7 +94,7 @@ def test_gradient_flows_through_the_global_blocks_into_the_local_ones():
     every local block is trained through the frozen global blocks after it."""
     name = "resnet10"
     model, batch, local, glob, ms = _setup(name, 8)
-    algorithm = fedmlb(model, lambda1=1.0, lambda2=0.0)
+    algorithm = fedmlb(model, FedMLBConfig(lambda1=1.0, lambda2=0.0))
     ctx = LocalContext(glob, ms, (), jax.random.PRNGKey(2))
 
     def objective(p):

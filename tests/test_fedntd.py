@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from fedjax_rcl.algorithms import ALGORITHMS, Batch, LocalContext
-from fedjax_rcl.algorithms.fedntd import fedntd
+from fedjax_rcl.algorithms.fedntd import FedNTDConfig, fedntd
 from fedjax_rcl.config import ConfigError, load_config
 from fedjax_rcl.models import get_model, model_fns
 
@@ -43,7 +43,7 @@ def setup():
 @pytest.mark.parametrize("beta,tau", [(0.3, 1.0), (1.0, 3.0)])
 def test_objective_matches_numpy_on_the_models_logits(setup, beta, tau):
     model, batch, local, glob, ms = setup
-    algorithm = fedntd(model, beta=beta, tau=tau)
+    algorithm = fedntd(model, FedNTDConfig(beta=beta, tau=tau))
     ctx = LocalContext(glob, ms, (), jax.random.PRNGKey(2))
     out, _ = model.apply(local, ms, batch.images, train=True)
     loss, terms = algorithm.objective(out, local, batch, ctx)

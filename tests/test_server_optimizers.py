@@ -13,6 +13,8 @@ from engine_reference import sequential_local_updates
 from fedjax_rcl.config import ConfigError, load_config
 from fedjax_rcl.experiment import build
 from fedjax_rcl.server import fedacg, fedadam, fedavg, fedavgm, server_optimizer
+from fedjax_rcl.server.fedacg import FedACGConfig
+from fedjax_rcl.server.optimizers import FedAdamConfig, FedAvgMConfig
 
 ROUNDS = 6
 
@@ -75,7 +77,7 @@ def test_fedavgm_matches_spec_loop(beta, lr):
             m[k] = beta * m[k] + d
             theta[k] = theta[k] + lr * m[k]
         want.append(dict(theta))
-    _assert_close(_run_optax(fedavgm(lr, beta=beta), theta0, clients), want)
+    _assert_close(_run_optax(fedavgm(lr, FedAvgMConfig(beta=beta)), theta0, clients), want)
 
 
 @pytest.mark.parametrize("lr,tau", [(0.01, 1e-3), (0.1, 0.05)])
@@ -94,7 +96,8 @@ def test_fedadam_matches_spec_loop_without_bias_correction(lr, tau):
             v[k] = b2 * v[k] + (1 - b2) * d * d
             theta[k] = theta[k] + lr * m[k] / (np.sqrt(v[k]) + tau)
         want.append(dict(theta))
-    _assert_close(_run_optax(fedadam(lr, b1=b1, b2=b2, tau=tau), theta0, clients), want)
+    sopt = fedadam(lr, FedAdamConfig(b1=b1, b2=b2, tau=tau))
+    _assert_close(_run_optax(sopt, theta0, clients), want)
     # Bias correction would make the first step lr * sign(d)-like (|step| ~ lr); without it the
     # first step is (1 - b1) * d / (|d| sqrt(1 - b2) + tau) ~ lr: check it is not optax.adam.
     import optax
@@ -118,14 +121,14 @@ def test_fedacg_matches_spec_loop(lam):
             theta[k] = theta[k] + m[k]
         np.testing.assert_allclose(theta["w"], mean["w"], rtol=1e-12)  # the new model is the mean
         want.append(dict(theta))
-    _assert_close(_run_optax(fedacg(lookahead=lam), theta0, clients), want)
+    _assert_close(_run_optax(fedacg(settings=FedACGConfig(lookahead=lam)), theta0, clients), want)
 
 
 def test_fedacg_client_penalty_is_beta_squared_distance_without_gradient_to_start():
     rng = np.random.default_rng(5)
     w = {"a": jnp.asarray(rng.normal(size=(4, 3))), "b": jnp.asarray(rng.normal(size=(3,)))}
     s = {"a": jnp.asarray(rng.normal(size=(4, 3))), "b": jnp.asarray(rng.normal(size=(3,)))}
-    sopt = fedacg(beta=0.01)
+    sopt = fedacg(settings=FedACGConfig(beta=0.01))
     want = 0.01 * sum(np.sum((np.asarray(w[k]) - np.asarray(s[k])) ** 2) for k in w)
     np.testing.assert_allclose(float(sopt.client_penalty(w, s)), want, rtol=1e-5)
     g_start = jax.grad(lambda s: sopt.client_penalty(w, s))(s)

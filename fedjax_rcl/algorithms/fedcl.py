@@ -12,7 +12,6 @@ The sample's second view is its only positive; every other view in the batch is 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
 
 import jax.numpy as jnp
 
@@ -22,23 +21,6 @@ from fedjax_rcl.algorithms.fedrcl import select_levels
 from fedjax_rcl.engine.algorithm import ClientAlgorithm
 from fedjax_rcl.losses import nt_xent_loss
 from fedjax_rcl.validation import check_levels, finite
-
-
-def fedcl(*, temperature: float = 0.05, levels: Sequence[int] | None = None) -> ClientAlgorithm:
-    """FedCL's local objective on two views per sample."""
-    levels = None if levels is None else tuple(levels)
-
-    def objective(out, params, batch, ctx):
-        del params, ctx
-        b = batch.labels.shape[0]
-        ce = cross_entropy(out.logits, batch.labels)
-        cl = jnp.mean(jnp.stack([
-            nt_xent_loss(f[:b], f[b:], temperature=temperature)
-            for f in select_levels(out.features, levels)
-        ]))
-        return ce + cl, {"ce": ce, "nt_xent": cl}
-
-    return ClientAlgorithm(objective)
 
 
 @dataclasses.dataclass
@@ -60,6 +42,25 @@ class FedCLConfig:
         return p + check_levels(self.levels, ctx)
 
 
+def fedcl(settings: FedCLConfig | None = None) -> ClientAlgorithm:
+    """FedCL's local objective on two views per sample, with the section's settings (None:
+    the defaults)."""
+    s = settings or FedCLConfig()
+    temperature, levels = s.temperature, None if s.levels is None else tuple(s.levels)
+
+    def objective(out, params, batch, ctx):
+        del params, ctx
+        b = batch.labels.shape[0]
+        ce = cross_entropy(out.logits, batch.labels)
+        cl = jnp.mean(jnp.stack([
+            nt_xent_loss(f[:b], f[b:], temperature=temperature)
+            for f in select_levels(out.features, levels)
+        ]))
+        return ce + cl, {"ce": ce, "nt_xent": cl}
+
+    return ClientAlgorithm(objective)
+
+
 registry.register_algorithm(
-    "fedcl", lambda s, model: fedcl(temperature=s.temperature, levels=s.levels),
+    "fedcl", lambda s, model: fedcl(s),
     config=FedCLConfig, num_views=2)

@@ -23,18 +23,6 @@ from fedjax_rcl.losses.baselines import decorrelation_loss
 from fedjax_rcl.validation import finite
 
 
-def feddecorr(*, beta: float = 0.01) -> ClientAlgorithm:
-    """FedDecorr's local objective with weight ``beta``."""
-
-    def objective(out, params, batch, ctx):
-        del params, ctx
-        ce = cross_entropy(out.logits, batch.labels)
-        decorr = decorrelation_loss(out.embedding)
-        return ce + beta * decorr, {"ce": ce, "decorr": decorr}
-
-    return ClientAlgorithm(objective)
-
-
 @dataclasses.dataclass
 class FedDecorrConfig:
     """``algorithm=feddecorr``.
@@ -51,5 +39,18 @@ class FedDecorrConfig:
         return [] if ok else [f"beta={self.beta!r}: must be >= 0"]
 
 
-registry.register_algorithm("feddecorr", lambda s, model: feddecorr(beta=s.beta),
+def feddecorr(settings: FedDecorrConfig | None = None) -> ClientAlgorithm:
+    """FedDecorr's local objective with the section's weight (None: the defaults)."""
+    beta = (settings or FedDecorrConfig()).beta
+
+    def objective(out, params, batch, ctx):
+        del params, ctx
+        ce = cross_entropy(out.logits, batch.labels)
+        decorr = decorrelation_loss(out.embedding)
+        return ce + beta * decorr, {"ce": ce, "decorr": decorr}
+
+    return ClientAlgorithm(objective)
+
+
+registry.register_algorithm("feddecorr", lambda s, model: feddecorr(s),
                             config=FedDecorrConfig)

@@ -35,10 +35,26 @@ from fedjax_rcl.engine.algorithm import ClientAlgorithm, zeros_like_params
 from fedjax_rcl.validation import finite
 
 
-def feddyn(*, alpha: float = 0.01) -> ClientAlgorithm:
-    """FedDyn's client objective and server correction with regularisation weight ``alpha``."""
-    if not alpha > 0:
-        raise ValueError(f"feddyn.alpha={alpha!r}: must be > 0")
+@dataclasses.dataclass
+class FedDynConfig:
+    """``algorithm=feddyn``.
+
+    Attributes:
+      alpha: the regularisation weight (the paper's CIFAR-10 runs: 0.01 to 0.1).
+    """
+
+    alpha: float = 0.01
+
+    def check(self, ctx) -> list[str]:
+        del ctx
+        return [] if finite(self.alpha) and self.alpha > 0 else [
+            f"alpha={self.alpha!r}: must be > 0"]
+
+
+def feddyn(settings: FedDynConfig | None = None) -> ClientAlgorithm:
+    """FedDyn's client objective and server correction with the section's regularisation
+    weight (None: the defaults)."""
+    alpha = (settings or FedDynConfig()).alpha
 
     def objective(out, params, batch, ctx):
         ce = cross_entropy(out.logits, batch.labels)
@@ -64,21 +80,4 @@ def feddyn(*, alpha: float = 0.01) -> ClientAlgorithm:
                            update_server_state=update_server_state)
 
 
-@dataclasses.dataclass
-class FedDynConfig:
-    """``algorithm=feddyn``.
-
-    Attributes:
-      alpha: the regularisation weight (the paper's CIFAR-10 runs: 0.01 to 0.1).
-    """
-
-    alpha: float = 0.01
-
-    def check(self, ctx) -> list[str]:
-        del ctx
-        return [] if finite(self.alpha) and self.alpha > 0 else [
-            f"alpha={self.alpha!r}: must be > 0"]
-
-
-registry.register_algorithm("feddyn", lambda s, model: feddyn(alpha=s.alpha),
-                            config=FedDynConfig)
+registry.register_algorithm("feddyn", lambda s, model: feddyn(s), config=FedDynConfig)

@@ -23,18 +23,6 @@ from fedjax_rcl.losses.baselines import logit_calibrated_cross_entropy
 from fedjax_rcl.validation import finite
 
 
-def fedlc(*, tau: float = 1.0) -> ClientAlgorithm:
-    """FedLC's local objective with calibration strength ``tau``."""
-
-    def objective(out, params, batch, ctx):
-        del params
-        loss = logit_calibrated_cross_entropy(out.logits, batch.labels, ctx.label_counts,
-                                              tau=tau)
-        return loss, {"calibrated_ce": loss}
-
-    return ClientAlgorithm(objective)
-
-
 @dataclasses.dataclass
 class FedLCConfig:
     """``algorithm=fedlc``.
@@ -50,4 +38,18 @@ class FedLCConfig:
         return [] if finite(self.tau) and self.tau >= 0 else [f"tau={self.tau!r}: must be >= 0"]
 
 
-registry.register_algorithm("fedlc", lambda s, model: fedlc(tau=s.tau), config=FedLCConfig)
+def fedlc(settings: FedLCConfig | None = None) -> ClientAlgorithm:
+    """FedLC's local objective with the section's calibration strength (None: the
+    defaults)."""
+    tau = (settings or FedLCConfig()).tau
+
+    def objective(out, params, batch, ctx):
+        del params
+        loss = logit_calibrated_cross_entropy(out.logits, batch.labels, ctx.label_counts,
+                                              tau=tau)
+        return loss, {"calibrated_ce": loss}
+
+    return ClientAlgorithm(objective)
+
+
+registry.register_algorithm("fedlc", lambda s, model: fedlc(s), config=FedLCConfig)

@@ -31,27 +31,6 @@ from fedjax_rcl.models.base import ModelFns
 from fedjax_rcl.validation import finite
 
 
-def fedmlb(model: ModelFns, *, lambda1: float = 1.0, lambda2: float = 1.0,
-           tau: float = 1.0) -> ClientAlgorithm:
-    """FedMLB's local objective with hybrid-CE weight ``lambda1``, hybrid-KL weight ``lambda2``
-    and temperature ``tau``."""
-
-    def objective(out, params, batch, ctx):
-        del params
-        if not out.blocks:
-            raise ValueError("fedmlb: the model returned no blocks (ModelOutput.blocks)")
-        ce = cross_entropy(out.logits, batch.labels)
-        # One image per sample: with num_views = 1 the batch rows are the samples.
-        hybrid = [model.apply_from(ctx.global_params, ctx.global_model_state, h,
-                                   start=m + 1).logits
-                  for m, h in enumerate(out.blocks)]
-        ce_h, kl_h = hybrid_path_losses(out.logits, hybrid, batch.labels, tau=tau)
-        loss = ce + lambda1 * ce_h + lambda2 * kl_h
-        return loss, {"ce": ce, "hybrid_ce": ce_h, "hybrid_kl": kl_h}
-
-    return ClientAlgorithm(objective)
-
-
 @dataclasses.dataclass
 class FedMLBConfig:
     """``algorithm=fedmlb`` (FedRCL's tables: 1, 1, 1).
@@ -81,6 +60,28 @@ class FedMLBConfig:
         return p
 
 
+def fedmlb(model: ModelFns, settings: FedMLBConfig | None = None) -> ClientAlgorithm:
+    """FedMLB's local objective with the section's hybrid-CE weight ``lambda1``, hybrid-KL
+    weight ``lambda2`` and temperature ``tau`` (None: the defaults)."""
+    s = settings or FedMLBConfig()
+    lambda1, lambda2, tau = s.lambda1, s.lambda2, s.tau
+
+    def objective(out, params, batch, ctx):
+        del params
+        if not out.blocks:
+            raise ValueError("fedmlb: the model returned no blocks (ModelOutput.blocks)")
+        ce = cross_entropy(out.logits, batch.labels)
+        # One image per sample: with num_views = 1 the batch rows are the samples.
+        hybrid = [model.apply_from(ctx.global_params, ctx.global_model_state, h,
+                                   start=m + 1).logits
+                  for m, h in enumerate(out.blocks)]
+        ce_h, kl_h = hybrid_path_losses(out.logits, hybrid, batch.labels, tau=tau)
+        loss = ce + lambda1 * ce_h + lambda2 * kl_h
+        return loss, {"ce": ce, "hybrid_ce": ce_h, "hybrid_kl": kl_h}
+
+    return ClientAlgorithm(objective)
+
+
 registry.register_algorithm(
-    "fedmlb", lambda s, model: fedmlb(model, lambda1=s.lambda1, lambda2=s.lambda2, tau=s.tau),
+    "fedmlb", lambda s, model: fedmlb(model, s),
     config=FedMLBConfig)

@@ -29,21 +29,6 @@ from fedjax_rcl.models.base import ModelFns
 from fedjax_rcl.validation import finite
 
 
-def fedntd(model: ModelFns, *, beta: float = 0.3, tau: float = 1.0) -> ClientAlgorithm:
-    """FedNTD's local objective with weight ``beta`` and temperature ``tau``."""
-
-    def objective(out, params, batch, ctx):
-        del params
-        ce = cross_entropy(out.logits, batch.labels)
-        glob, _ = model.apply(ctx.global_params, ctx.global_model_state, batch.images,
-                              train=False)
-        ntd = not_true_distillation(out.logits, jax.lax.stop_gradient(glob.logits),
-                                    batch.labels, tau=tau)
-        return ce + beta * ntd, {"ce": ce, "ntd": ntd}
-
-    return ClientAlgorithm(objective)
-
-
 @dataclasses.dataclass
 class FedNTDConfig:
     """``algorithm=fedntd`` (FedRCL's tables: 0.3, 1).
@@ -66,5 +51,23 @@ class FedNTDConfig:
         return p
 
 
-registry.register_algorithm("fedntd", lambda s, model: fedntd(model, beta=s.beta, tau=s.tau),
+def fedntd(model: ModelFns, settings: FedNTDConfig | None = None) -> ClientAlgorithm:
+    """FedNTD's local objective with the section's weight ``beta`` and temperature ``tau``
+    (None: the defaults)."""
+    s = settings or FedNTDConfig()
+    beta, tau = s.beta, s.tau
+
+    def objective(out, params, batch, ctx):
+        del params
+        ce = cross_entropy(out.logits, batch.labels)
+        glob, _ = model.apply(ctx.global_params, ctx.global_model_state, batch.images,
+                              train=False)
+        ntd = not_true_distillation(out.logits, jax.lax.stop_gradient(glob.logits),
+                                    batch.labels, tau=tau)
+        return ce + beta * ntd, {"ce": ce, "ntd": ntd}
+
+    return ClientAlgorithm(objective)
+
+
+registry.register_algorithm("fedntd", lambda s, model: fedntd(model, s),
                             config=FedNTDConfig)

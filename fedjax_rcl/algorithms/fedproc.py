@@ -36,28 +36,6 @@ from fedjax_rcl.losses.baselines import (
 from fedjax_rcl.validation import finite
 
 
-def fedproc(*, mu: float = 1.0, temperature: float = 0.5) -> ClientAlgorithm:
-    """FedProc's local objective, report and server message."""
-
-    def objective(out, params, batch, ctx):
-        del params
-        ce = cross_entropy(out.logits, batch.labels)
-        prototypes, present = ctx.server_message
-        proto = prototype_contrastive_loss(out.embedding, batch.labels, prototypes, present,
-                                           temperature=temperature)
-        return ce + mu * proto, {"ce": ce, "proto": proto}
-
-    def report(out, batch):
-        return class_prototypes(out.embedding, batch.labels, out.logits.shape[-1])
-
-    def server_message(summed):
-        sums, counts = summed
-        return prototypes_from_sums(sums, counts)
-
-    return ClientAlgorithm(objective, report=report,
-                           server_message=server_message)
-
-
 @dataclasses.dataclass
 class FedProcConfig:
     """``algorithm=fedproc``.
@@ -80,6 +58,29 @@ class FedProcConfig:
         return p
 
 
-registry.register_algorithm("fedproc",
-                            lambda s, model: fedproc(mu=s.mu, temperature=s.temperature),
-                            config=FedProcConfig)
+def fedproc(settings: FedProcConfig | None = None) -> ClientAlgorithm:
+    """FedProc's local objective, report and server message, with the section's settings
+    (None: the defaults)."""
+    s = settings or FedProcConfig()
+    mu, temperature = s.mu, s.temperature
+
+    def objective(out, params, batch, ctx):
+        del params
+        ce = cross_entropy(out.logits, batch.labels)
+        prototypes, present = ctx.server_message
+        proto = prototype_contrastive_loss(out.embedding, batch.labels, prototypes, present,
+                                           temperature=temperature)
+        return ce + mu * proto, {"ce": ce, "proto": proto}
+
+    def report(out, batch):
+        return class_prototypes(out.embedding, batch.labels, out.logits.shape[-1])
+
+    def server_message(summed):
+        sums, counts = summed
+        return prototypes_from_sums(sums, counts)
+
+    return ClientAlgorithm(objective, report=report,
+                           server_message=server_message)
+
+
+registry.register_algorithm("fedproc", lambda s, model: fedproc(s), config=FedProcConfig)

@@ -20,19 +20,6 @@ from fedjax_rcl.engine.algorithm import ClientAlgorithm
 from fedjax_rcl.validation import finite
 
 
-def fedprox(*, mu: float = 0.001) -> ClientAlgorithm:
-    """FedProx's local objective with proximal weight ``mu``."""
-    if not mu >= 0:
-        raise ValueError(f"fedprox.mu={mu!r}: must be >= 0")
-
-    def objective(out, params, batch, ctx):
-        ce = cross_entropy(out.logits, batch.labels)
-        prox = otu.tree_norm(otu.tree_sub(params, ctx.global_params), squared=True)
-        return ce + 0.5 * mu * prox, {"ce": ce, "prox": prox}
-
-    return ClientAlgorithm(objective)
-
-
 @dataclasses.dataclass
 class FedProxConfig:
     """``algorithm=fedprox``.
@@ -47,4 +34,16 @@ class FedProxConfig:
         return [] if finite(self.mu) and self.mu >= 0 else [f"mu={self.mu!r}: must be >= 0"]
 
 
-registry.register_algorithm("fedprox", lambda s, model: fedprox(mu=s.mu), config=FedProxConfig)
+def fedprox(settings: FedProxConfig | None = None) -> ClientAlgorithm:
+    """FedProx's local objective with the section's proximal weight (None: the defaults)."""
+    mu = (settings or FedProxConfig()).mu
+
+    def objective(out, params, batch, ctx):
+        ce = cross_entropy(out.logits, batch.labels)
+        prox = otu.tree_norm(otu.tree_sub(params, ctx.global_params), squared=True)
+        return ce + 0.5 * mu * prox, {"ce": ce, "prox": prox}
+
+    return ClientAlgorithm(objective)
+
+
+registry.register_algorithm("fedprox", lambda s, model: fedprox(s), config=FedProxConfig)

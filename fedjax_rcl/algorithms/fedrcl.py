@@ -25,53 +25,13 @@ from fedjax_rcl import registry
 from fedjax_rcl.algorithms.fedavg import cross_entropy
 from fedjax_rcl.engine.algorithm import ClientAlgorithm
 from fedjax_rcl.losses import rcl_loss_terms, supcon_loss
-from fedjax_rcl.validation import check_levels, finite
+from fedjax_rcl.losses.contrastive import MININGS
+from fedjax_rcl.validation import check_levels, finite, one_of
 
 
 def select_levels(features: Sequence, levels: Sequence[int] | None) -> tuple:
     """The chosen feature levels (``None``: all; negative indices count from the last)."""
     return tuple(features) if levels is None else tuple(features[i] for i in levels)
-
-
-def fedrcl(*, temperature: float = 0.05, threshold: float = 0.7, beta: float = 1.0,
-           mining: str = "hard", levels: Sequence[int] | None = None) -> ClientAlgorithm:
-    """FedRCL's local objective.
-
-    Args:
-      temperature: tau of both terms (reference 0.05).
-      threshold: similarity above which same-class pairs are penalised (reference 0.7).
-      beta: penalty weight (reference 1); 0 is FedSCL and skips the penalty entirely.
-      mining: ``"hard"`` (reference) or ``"none"`` (paper).
-      levels: feature levels to use; None = all (paper), ``[-1]`` = last layer only (ablation).
-    """
-    if mining not in ("hard", "none"):
-        raise ValueError(f"mining={mining!r}: allowed hard, none")
-    levels = None if levels is None else tuple(levels)
-
-    def objective(out, params, batch, ctx):
-        del params, ctx
-        feats = select_levels(out.features, levels)
-        ce = cross_entropy(out.logits, batch.labels)
-        # FedSCL: build only the terms that count (a traced beta, a grid's sweep, keeps all).
-        if isinstance(beta, (int, float)) and beta == 0:
-            scl = jnp.mean(jnp.stack([
-                supcon_loss(f, batch.labels, temperature=temperature, mining=mining)
-                for f in feats
-            ]))
-            return ce + scl, {"ce": ce, "scl": scl}
-        terms = [rcl_loss_terms(f, batch.labels, temperature=temperature, threshold=threshold,
-                                mining=mining) for f in feats]
-        scl = jnp.mean(jnp.stack([t[0] for t in terms]))
-        penalty = jnp.mean(jnp.stack([t[1] for t in terms]))
-        return ce + scl + beta * penalty, {"ce": ce, "scl": scl, "penalty": penalty}
-
-    return ClientAlgorithm(objective)
-
-
-def fedscl(*, temperature: float = 0.05, mining: str = "hard",
-           levels: Sequence[int] | None = None) -> ClientAlgorithm:
-    """FedSCL: FedRCL without the penalty (beta = 0), the paper's ablation."""
-    return fedrcl(temperature=temperature, beta=0.0, mining=mining, levels=levels)
 
 
 @dataclasses.dataclass
@@ -102,17 +62,42 @@ class FedRCLConfig:
             p.append(f"threshold={self.threshold!r}: must be a cosine similarity in [-1, 1]")
         if not (finite(self.beta) and self.beta >= 0):
             p.append(f"beta={self.beta!r}: must be >= 0")
-        if self.mining not in ("hard", "none"):
-            p.append(f"mining={self.mining!r}: allowed: hard, none")
+        one_of(p, "mining", self.mining, MININGS)
         return p + check_levels(self.levels, ctx)
 
 
-registry.register_algorithm(
-    "fedrcl",
-    lambda s, model: fedrcl(temperature=s.temperature, threshold=s.threshold, beta=s.beta,
-                            mining=s.mining, levels=s.levels),
-    config=FedRCLConfig)
-registry.register_algorithm(
-    "fedscl",
-    lambda s, model: fedscl(temperature=s.temperature, mining=s.mining, levels=s.levels),
-    section="fedrcl")
+def fedrcl(settings: FedRCLConfig | None = None) -> ClientAlgorithm:
+    """FedRCL's local objective with the section's settings (None: the authors' defaults); a
+    ``beta`` of 0 is FedSCL and skips the penalty entirely."""
+    s = settings or FedRCLConfig()
+    temperature, threshold, beta, mining = s.temperature, s.threshold, s.beta, s.mining
+    levels = None if s.levels is None else tuple(s.levels)
+
+    def objective(out, params, batch, ctx):
+        del params, ctx
+        feats = select_levels(out.features, levels)
+        ce = cross_entropy(out.logits, batch.labels)
+        # FedSCL: build only the terms that count (a traced beta, a grid's sweep, keeps all).
+        if isinstance(beta, (int, float)) and beta == 0:
+            scl = jnp.mean(jnp.stack([
+                supcon_loss(f, batch.labels, temperature=temperature, mining=mining)
+                for f in feats
+            ]))
+            return ce + scl, {"ce": ce, "scl": scl}
+        terms = [rcl_loss_terms(f, batch.labels, temperature=temperature, threshold=threshold,
+                                mining=mining) for f in feats]
+        scl = jnp.mean(jnp.stack([t[0] for t in terms]))
+        penalty = jnp.mean(jnp.stack([t[1] for t in terms]))
+        return ce + scl + beta * penalty, {"ce": ce, "scl": scl, "penalty": penalty}
+
+    return ClientAlgorithm(objective)
+
+
+def fedscl(settings: FedRCLConfig | None = None) -> ClientAlgorithm:
+    """FedSCL: FedRCL without the penalty (beta = 0, whatever the section's), the paper's
+    ablation."""
+    return fedrcl(dataclasses.replace(settings or FedRCLConfig(), beta=0.0))
+
+
+registry.register_algorithm("fedrcl", lambda s, model: fedrcl(s), config=FedRCLConfig)
+registry.register_algorithm("fedscl", lambda s, model: fedscl(s), section="fedrcl")

@@ -28,20 +28,6 @@ from fedjax_rcl.models.base import ModelFns
 from fedjax_rcl.validation import finite
 
 
-def fitnet(model: ModelFns, *, weight: float = 0.001) -> ClientAlgorithm:
-    """FedAvg + FitNet's local objective with hint weight ``weight`` (lambda)."""
-
-    def objective(out, params, batch, ctx):
-        del params
-        ce = cross_entropy(out.logits, batch.labels)
-        glob, _ = model.apply(ctx.global_params, ctx.global_model_state, batch.images,
-                              train=False)
-        hint = feature_hint_loss(out.features, jax.lax.stop_gradient(glob.features))
-        return ce + weight * hint, {"ce": ce, "hint": hint}
-
-    return ClientAlgorithm(objective)
-
-
 @dataclasses.dataclass
 class FitNetConfig:
     """``algorithm=fitnet``.
@@ -59,5 +45,20 @@ class FitNetConfig:
         return [] if ok else [f"weight={self.weight!r}: must be >= 0"]
 
 
-registry.register_algorithm("fitnet", lambda s, model: fitnet(model, weight=s.weight),
-                            config=FitNetConfig)
+def fitnet(model: ModelFns, settings: FitNetConfig | None = None) -> ClientAlgorithm:
+    """FedAvg + FitNet's local objective with the section's hint weight (lambda; None: the
+    defaults)."""
+    weight = (settings or FitNetConfig()).weight
+
+    def objective(out, params, batch, ctx):
+        del params
+        ce = cross_entropy(out.logits, batch.labels)
+        glob, _ = model.apply(ctx.global_params, ctx.global_model_state, batch.images,
+                              train=False)
+        hint = feature_hint_loss(out.features, jax.lax.stop_gradient(glob.features))
+        return ce + weight * hint, {"ce": ce, "hint": hint}
+
+    return ClientAlgorithm(objective)
+
+
+registry.register_algorithm("fitnet", lambda s, model: fitnet(model, s), config=FitNetConfig)

@@ -27,6 +27,7 @@ import optax
 
 from fedjax_rcl import registry
 from fedjax_rcl.engine.algorithm import ClientAlgorithm
+from fedjax_rcl.fields import setting
 from fedjax_rcl.validation import CheckContext, finite, one_of
 
 
@@ -124,19 +125,20 @@ class MfclConfig:
     projection_dim: int = 128
     temperature: float = 0.5
     blur: bool = False
-    probe: str = "lbfgs"
-    probe_l2_grid: list[float] = dataclasses.field(default_factory=lambda: list(PROBE_L2_GRID))
-    probe_holdout: float = 0.1
-    probe_max_iter: int = 1000
-    probe_tol: float = 1e-5
-    probe_controls: bool = True
-    probe_projection: bool = False
+    probe: str = setting("lbfgs", digest_neutral=True)
+    probe_l2_grid: list[float] = setting(default_factory=lambda: list(PROBE_L2_GRID),
+                                         digest_neutral=True)
+    probe_holdout: float = setting(0.1, digest_neutral=True)
+    probe_max_iter: int = setting(1000, digest_neutral=True)
+    probe_tol: float = setting(1e-5, digest_neutral=True)
+    probe_controls: bool = setting(True, digest_neutral=True)
+    probe_projection: bool = setting(False, digest_neutral=True)
     probe_epochs: int = 30
     probe_lr: float = 1e-3
     probe_batch_size: int = 256
     train_samples: int = 0
-    bn_statistics: str = "running"
-    tn_variance: str = "pooled"
+    bn_statistics: str = setting("running", digest_neutral=True)
+    tn_variance: str = setting("pooled", digest_neutral=True)
 
     def check(self, ctx: CheckContext) -> list[str]:
         p = []

@@ -10,18 +10,13 @@ settings live in ``experiments/*.yaml``.
 
 One module per concept: ``schema`` (the dataclasses and ``Config``), ``loading`` (files,
 overrides and their error messages), ``sweeps`` (several runs in one program), ``digest``
-(what a resumed run may change) and ``checks`` (validation). The names here are the public
-ones.
+(what a resumed run may change) and ``checks`` (validation). How the digest, ``resume`` and the
+reports treat each setting is declared with its field (``fedjax_rcl.fields.setting``). The
+names here are the public ones.
 """
 
 from fedjax_rcl.config.checks import degenerate_settings, validate
-from fedjax_rcl.config.digest import (
-    DIGEST_NEUTRAL_DEFAULTS,
-    RESUME_SAFE_KEYS,
-    changed_keys,
-    config_digest,
-    flat_keys,
-)
+from fedjax_rcl.config.digest import changed_keys, config_digest, flat_keys, keys_declared
 from fedjax_rcl.config.loading import load_config
 from fedjax_rcl.config.schema import (
     WANDB_MODES,
@@ -43,12 +38,11 @@ from fedjax_rcl.config.sweeps import (
 )
 from fedjax_rcl.validation import CheckContext, ConfigError, check_levels, finite
 
-__all__ = ["DIGEST_NEUTRAL_DEFAULTS", "RESUME_SAFE_KEYS", "SHAPE_SETTINGS", "WANDB_MODES",
-           "CheckContext", "ConfigError", "CoreConfig", "DistributedConfig", "ServerConfig",
-           "SweepConfig", "TrackingConfig", "changed_keys", "check_levels", "config_digest",
-           "degenerate_settings", "finite", "flat_keys", "grid_members", "is_grid",
-           "load_config", "member_name", "schema", "to_dict", "to_yaml", "validate",
-           "with_setting"]
+__all__ = ["SHAPE_SETTINGS", "WANDB_MODES", "CheckContext", "ConfigError", "CoreConfig",
+           "DistributedConfig", "ServerConfig", "SweepConfig", "TrackingConfig", "changed_keys",
+           "check_levels", "config_digest", "degenerate_settings", "finite", "flat_keys",
+           "grid_members", "is_grid", "keys_declared", "load_config", "member_name", "schema",
+           "to_dict", "to_yaml", "validate", "with_setting"]
 
 
 def __getattr__(name: str):

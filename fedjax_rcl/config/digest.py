@@ -1,6 +1,9 @@
 """The config digest that checkpoints carry, and which keys a resumed run may change: a hash of
 every setting that decides a run's results, so that ``resume`` refuses a config that would not
 continue the run it says it continues.
+
+Which settings count is declared where each setting is (``fedjax_rcl.fields``): a
+``resume_safe`` one never, a ``digest_neutral`` one only off its declared default.
 """
 
 from __future__ import annotations
@@ -10,31 +13,22 @@ import hashlib
 import json
 
 from fedjax_rcl import registry
-from fedjax_rcl.config.schema import CoreConfig, TrackingConfig
+from fedjax_rcl.config.schema import CoreConfig, schema
+from fedjax_rcl.fields import declared
 from fedjax_rcl.provenance import file_sha256
 
-# Keys that a resumed run may change without changing any result.
-RESUME_SAFE_KEYS = ("rounds", "checkpoint_every", "keep_checkpoints", "eval_batch_size",
-                    "data_dir", "run_dir", "distributed.coordinator_address",
-                    "distributed.process_id", "analysis_every", "analysis_images",
-                    "client_metrics",
-                    *(f"tracking.{f.name}" for f in dataclasses.fields(TrackingConfig)))
+# The core config's own keys: a dataclass among them is one of its sections, any other an
+# algorithm's (in the digest only while that algorithm runs).
+_CORE_KEYS = frozenset(f.name for f in dataclasses.fields(CoreConfig))
 
 
-# Settings added after runs existed, at their default (what a run's config without them
-# means): left out of the digest while they hold it, so that checkpoints written before a
-# setting existed still resume. A new setting joins them.
-DIGEST_NEUTRAL_DEFAULTS = {"mfcl.bn_statistics": "running", "init_threefry_partitionable": False,
-                           "client_eval": False, "precision": "fp32", "seeds": [],
-                           "runs_in_parallel": 1, "sweep.key": None, "sweep.values": [],
-                           "mfcl.probe": "lbfgs",
-                           "mfcl.probe_l2_grid": [1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 1e-1, 1.0, 10.0],
-                           "mfcl.probe_holdout": 0.1, "mfcl.probe_max_iter": 1000,
-                           "mfcl.probe_tol": 1e-5, "mfcl.probe_controls": True,
-                           "mfcl.tn_variance": "pooled", "mfcl.probe_projection": False,
-                           "split_file": None, "transforms": "fedrcl",
-                           "partition_version": 1, "drop_last": False,
-                           "sampling_version": 1}
+def keys_declared(**treatment: bool) -> list[str]:
+    """The dotted keys of the run config (``schema()``, the registered sections included) whose
+    declared treatment has these flags: ``keys_declared(resume_safe=True)`` are the keys a
+    resumed run may change, ``keys_declared(report=False)`` those reports ignore."""
+    return sorted(k for k, d in declared(schema()).items()
+                  if all(getattr(d.treatment, name) == value
+                         for name, value in treatment.items()))
 
 
 def flat_keys(d: dict, prefix: str = "") -> dict:
@@ -49,38 +43,37 @@ def flat_keys(d: dict, prefix: str = "") -> dict:
 
 
 def _result_settings(cfg: CoreConfig) -> dict:
-    """The flat settings that decide a run's results: every core key but ``RESUME_SAFE_KEYS``
-    and ``plugins``, plus the sections of the algorithm and server optimizer in use (the
-    other sections are inert)."""
+    """The flat settings that decide a run's results: every core key but those declared
+    ``resume_safe`` and the ``digest_neutral`` ones at their declared default, plus the
+    sections of the algorithm and server optimizer in use (the other sections are inert)."""
     flat = {}
     for f in dataclasses.fields(cfg):
         value = getattr(cfg, f.name)
         if f.name == "server":
             flat.update({f"server.{k}": v for k, v in flat_keys(dataclasses.asdict(value)).items()
                          if "." not in k or k.startswith(f"{value.optimizer}.")})
-        elif f.name == "tracking":
-            continue  # where metrics are mirrored changes no result
-        elif f.name == "sweep":
-            flat.update(flat_keys(dataclasses.asdict(value), "sweep."))
-        elif dataclasses.is_dataclass(value) and f.name != "distributed":
+        elif dataclasses.is_dataclass(value) and f.name not in _CORE_KEYS:
             entry = registry.ALGORITHMS.get(cfg.algorithm)
             if entry is not None and entry.section == f.name:
                 flat.update(flat_keys(dataclasses.asdict(value), f"{f.name}."))
         elif dataclasses.is_dataclass(value):
             flat.update(flat_keys(dataclasses.asdict(value), f"{f.name}."))
-        elif f.name != "plugins":
+        else:
             flat[f.name] = value
     if cfg.partition == "file" and cfg.split_file is not None:
         # The file's contents decide the split: a run resumed with the same path but another
         # split is refused (None where it cannot be read).
         flat["split_file.sha256"] = file_sha256(cfg.split_file)
-    return {k: v for k, v in flat.items() if k not in RESUME_SAFE_KEYS
-            and not (k in DIGEST_NEUTRAL_DEFAULTS and v == DIGEST_NEUTRAL_DEFAULTS[k])}
+    settings = declared(cfg)
+    return {k: v for k, v in flat.items() if k not in settings or not (
+        settings[k].treatment.resume_safe
+        or (settings[k].treatment.digest_neutral and v == settings[k].default))}
 
 
 def changed_keys(old: CoreConfig, new: CoreConfig) -> list[str]:
-    """Dotted keys whose values differ and that would change results (see RESUME_SAFE_KEYS;
-    the sections of algorithms and server optimizers not in use change nothing).
+    """Dotted keys whose values differ and that would change results (any but those declared
+    ``resume_safe``; the sections of algorithms and server optimizers not in use change
+    nothing).
 
     A key counts when it decides the results of either config and its value differs between
     the two, so that switching algorithms names ``algorithm`` (and any key of the new

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from omegaconf import OmegaConf
 
 from fedjax_rcl import builtins, registry
+from fedjax_rcl.fields import setting
 from fedjax_rcl.validation import ConfigError, one_of
 
 
@@ -44,9 +45,9 @@ class DistributedConfig:
       process_id: this process's index, 0 to ``num_processes - 1``.
     """
 
-    coordinator_address: str | None = None
+    coordinator_address: str | None = setting(None, resume_safe=True)
     num_processes: int = 1
-    process_id: int = 0
+    process_id: int = setting(0, resume_safe=True)
 
 
 @dataclass
@@ -60,8 +61,8 @@ class SweepConfig:
       values: its values, one run each (with ``seeds``: one run per value and seed).
     """
 
-    key: str | None = None
-    values: list[float] = field(default_factory=list)
+    key: str | None = setting(None, digest_neutral=True)
+    values: list[float] = setting(default_factory=list, digest_neutral=True)
 
 
 WANDB_MODES = ("online", "offline", "disabled")
@@ -206,30 +207,32 @@ class CoreConfig:
       run_dir: the run directory; null: ``runs/<dataset>-<algorithm>-<time>-<4 hex>``.
     """
 
-    seed: int = 0
-    seeds: list[int] = field(default_factory=list)
-    runs_in_parallel: int = 1
+    # ``setting`` says how the digest, ``resume`` and the reports treat a key
+    # (``fedjax_rcl.fields``); a key added after runs exist is declared ``digest_neutral``.
+    seed: int = setting(0, replicate=True)
+    seeds: list[int] = setting(default_factory=list, digest_neutral=True, replicate=True)
+    runs_in_parallel: int = setting(1, digest_neutral=True)
     sweep: SweepConfig = field(default_factory=SweepConfig)
-    init_threefry_partitionable: bool = False
+    init_threefry_partitionable: bool = setting(False, digest_neutral=True, replicate=True)
     dataset: str = "digits"
-    data_dir: str | None = None
+    data_dir: str | None = setting(None, resume_safe=True, report=False)
     model: str = "cnn"
     width: int | None = None
-    plugins: list[str] = field(default_factory=list)
+    plugins: list[str] = setting(default_factory=list, resume_safe=True, report=False)
     algorithm: str = "fedrcl"
     num_clients: int = 20
     participation: float = 0.25
-    sampling_version: int = 1
+    sampling_version: int = setting(1, digest_neutral=True)
     partition: str = "dirichlet"
     alpha: float = 0.3
     balanced: bool = True
     shards_per_client: int = 2
-    partition_version: int = 1
-    split_file: str | None = None
-    rounds: int = 100
+    partition_version: int = setting(1, digest_neutral=True)
+    split_file: str | None = setting(None, digest_neutral=True)
+    rounds: int = setting(100, resume_safe=True, report=False)
     local_epochs: int = 5
     batch_size: int = 50
-    drop_last: bool = False
+    drop_last: bool = setting(False, digest_neutral=True)
     lr: float = 0.1
     lr_decay: float = 0.998
     momentum: float = 0.0
@@ -237,27 +240,29 @@ class CoreConfig:
     clip_norm: float = 10.0
     aggregation: str = "size"
     augment: bool = True
-    transforms: str = "fedrcl"
+    transforms: str = setting("fedrcl", digest_neutral=True)
     eval_every: int = 1
-    checkpoint_every: int = 10
-    keep_checkpoints: int = 3
-    eval_batch_size: int = 500
+    checkpoint_every: int = setting(10, resume_safe=True, report=False)
+    keep_checkpoints: int = setting(3, resume_safe=True, report=False)
+    eval_batch_size: int = setting(500, resume_safe=True, report=False)
     ema_decay: float = 0.9
-    analysis_every: int = 0
-    analysis_images: int = 1000
-    client_metrics: bool = False
-    client_eval: bool = False
-    precision: str = "fp32"
-    conv_impl: str = "auto"
-    devices: int = 1
-    clients_in_parallel: int = 0
-    client_states: str = "device"
+    analysis_every: int = setting(0, resume_safe=True, report=False)
+    analysis_images: int = setting(1000, resume_safe=True, report=False)
+    client_metrics: bool = setting(False, resume_safe=True)
+    client_eval: bool = setting(False, digest_neutral=True)
+    precision: str = setting("fp32", digest_neutral=True)
+    conv_impl: str = setting("auto", report=False)
+    devices: int = setting(1, report=False)
+    clients_in_parallel: int = setting(0, report=False)
+    client_states: str = setting("device", report=False)
     norm: str = "group"
-    run_dir: str | None = None
+    run_dir: str | None = setting(None, resume_safe=True, report=False)
     server: ServerConfig = field(default_factory=ServerConfig)
-    distributed: DistributedConfig = field(default_factory=DistributedConfig)
-    # Mirrors of metrics.jsonl (TensorBoard, Weights & Biases); they change no result.
-    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    distributed: DistributedConfig = setting(default_factory=DistributedConfig, report=False)
+    # Mirrors of metrics.jsonl (TensorBoard, Weights & Biases): they change no result and say
+    # nothing about the run.
+    tracking: TrackingConfig = setting(default_factory=TrackingConfig, resume_safe=True,
+                                       report=False)
 
 
 def schema() -> type:

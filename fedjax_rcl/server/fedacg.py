@@ -49,22 +49,6 @@ def remember_last_update() -> optax.GradientTransformation:
     return optax.GradientTransformation(init, update)
 
 
-def fedacg(lr: float = 1.0, *, lookahead: float = 0.85, beta: float = 0.001) -> ServerOptimizer:
-    """FedACG with look-ahead ``lambda = lookahead`` and client regulariser weight ``beta``."""
-    tx = optax.chain(optax.sgd(lr), remember_last_update())
-
-    def client_start(params, opt_state):
-        m = opt_state[1].last
-        return jax.tree.map(lambda p, x: p + lookahead * x, params, m)
-
-    def client_penalty(params, start):
-        return beta * otu.tree_norm(otu.tree_sub(params, jax.lax.stop_gradient(start)),
-                                    squared=True)
-
-    return ServerOptimizer(tx, client_start=client_start, client_penalty=client_penalty,
-                           penalty_name="acg")
-
-
 @dataclasses.dataclass
 class FedACGConfig:
     """``server.optimizer=fedacg``.
@@ -87,6 +71,23 @@ class FedACGConfig:
         return p
 
 
-registry.register_server_optimizer(
-    "fedacg", lambda s, lr: fedacg(lr, lookahead=s.lookahead, beta=s.beta),
-    config=FedACGConfig)
+def fedacg(lr: float = 1.0, settings: FedACGConfig | None = None) -> ServerOptimizer:
+    """FedACG with the section's look-ahead ``lambda = lookahead`` and client regulariser
+    weight ``beta`` (None: the defaults)."""
+    s = settings or FedACGConfig()
+    lookahead, beta = s.lookahead, s.beta
+    tx = optax.chain(optax.sgd(lr), remember_last_update())
+
+    def client_start(params, opt_state):
+        m = opt_state[1].last
+        return jax.tree.map(lambda p, x: p + lookahead * x, params, m)
+
+    def client_penalty(params, start):
+        return beta * otu.tree_norm(otu.tree_sub(params, jax.lax.stop_gradient(start)),
+                                    squared=True)
+
+    return ServerOptimizer(tx, client_start=client_start, client_penalty=client_penalty,
+                           penalty_name="acg")
+
+
+registry.register_server_optimizer("fedacg", lambda s, lr: fedacg(lr, s), config=FedACGConfig)

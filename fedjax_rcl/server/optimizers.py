@@ -52,72 +52,6 @@ class ServerOptimizer:
         return params if self.client_start is None else self.client_start(params, opt_state)
 
 
-def fedavg(lr: float = 1.0) -> ServerOptimizer:
-    """FedAvg: ``theta <- theta - lr g``; with ``lr = 1`` the new model is the clients' mean.
-
-    McMahan et al., AISTATS 2017 (arXiv 1602.05629).
-    """
-    return ServerOptimizer(optax.sgd(lr))
-
-
-def fedavgm(lr: float = 1.0, *, beta: float = 0.4) -> ServerOptimizer:
-    """FedAvgM: server momentum on ``d = mean_k theta_k - theta``.
-
-    .. math::
-        m \\leftarrow \\beta m + d, \\qquad \\theta \\leftarrow \\theta + \\eta m
-
-    Hsu, Qi, Brown, "Measuring the Effects of Non-Identical Data Distribution for Federated
-    Visual Classification" (arXiv 1909.06335); FedRCL's tables use beta = 0.4. optax's SGD
-    trace ``m' = g + beta m'`` is ``-m`` for ``g = -d``, and its update ``-lr m'`` is ``lr m``.
-    """
-    return ServerOptimizer(optax.sgd(lr, momentum=beta))
-
-
-class FedAdamState(NamedTuple):
-    """First and second moments of the pseudo-gradient."""
-
-    mu: optax.Updates
-    nu: optax.Updates
-
-
-def scale_by_fedadam(b1: float = 0.9, b2: float = 0.99,
-                     tau: float = 1e-3) -> optax.GradientTransformation:
-    """Adam's scaling as FedAdam states it: no bias correction, ``v_0 = tau^2``.
-
-    .. math::
-        m \\leftarrow b_1 m + (1 - b_1) g, \\quad v \\leftarrow b_2 v + (1 - b_2) g^2, \\quad
-        u = \\frac{m}{\\sqrt{v} + \\tau}
-
-    (``optax.scale_by_adam`` always debiases and starts ``v`` at 0.)
-    """
-
-    def init(params):
-        return FedAdamState(otu.tree_zeros_like(params), otu.tree_full_like(params, tau * tau))
-
-    def update(updates, state, params=None):
-        del params
-        mu = otu.tree_update_moment(updates, state.mu, b1, 1)
-        nu = otu.tree_update_moment_per_elem_norm(updates, state.nu, b2, 2)
-        out = jax.tree.map(lambda m, v: m / (jnp.sqrt(v) + tau), mu, nu)
-        return out, FedAdamState(mu, nu)
-
-    return optax.GradientTransformation(init, update)
-
-
-def fedadam(lr: float = 0.01, *, b1: float = 0.9, b2: float = 0.99,
-            tau: float = 1e-3) -> ServerOptimizer:
-    """FedAdam on ``d = mean_k theta_k - theta``, without bias correction.
-
-    .. math::
-        m \\leftarrow b_1 m + (1-b_1) d, \\quad v \\leftarrow b_2 v + (1-b_2) d^2 \\
-        (v_0 = \\tau^2), \\quad \\theta \\leftarrow \\theta + \\eta \\frac{m}{\\sqrt v + \\tau}
-
-    Reddi et al., "Adaptive Federated Optimization", ICLR 2021 (arXiv 2003.00295), Alg. 2.
-    With ``g = -d`` the moments are those of ``g`` up to the sign of ``m``.
-    """
-    return ServerOptimizer(optax.chain(scale_by_fedadam(b1, b2, tau), optax.scale(-lr)))
-
-
 @dataclasses.dataclass
 class FedAvgMConfig:
     """``server.optimizer=fedavgm``.
@@ -157,12 +91,82 @@ class FedAdamConfig:
         return p
 
 
+def fedavg(lr: float = 1.0) -> ServerOptimizer:
+    """FedAvg: ``theta <- theta - lr g``; with ``lr = 1`` the new model is the clients' mean.
+
+    McMahan et al., AISTATS 2017 (arXiv 1602.05629).
+    """
+    return ServerOptimizer(optax.sgd(lr))
+
+
+def fedavgm(lr: float = 1.0, settings: FedAvgMConfig | None = None) -> ServerOptimizer:
+    """FedAvgM: server momentum ``beta`` (the section's; None: the defaults) on
+    ``d = mean_k theta_k - theta``.
+
+    .. math::
+        m \\leftarrow \\beta m + d, \\qquad \\theta \\leftarrow \\theta + \\eta m
+
+    Hsu, Qi, Brown, "Measuring the Effects of Non-Identical Data Distribution for Federated
+    Visual Classification" (arXiv 1909.06335); FedRCL's tables use beta = 0.4. optax's SGD
+    trace ``m' = g + beta m'`` is ``-m`` for ``g = -d``, and its update ``-lr m'`` is ``lr m``.
+    """
+    return ServerOptimizer(optax.sgd(lr, momentum=(settings or FedAvgMConfig()).beta))
+
+
+class FedAdamState(NamedTuple):
+    """First and second moments of the pseudo-gradient."""
+
+    mu: optax.Updates
+    nu: optax.Updates
+
+
+def scale_by_fedadam(b1: float, b2: float, tau: float) -> optax.GradientTransformation:
+    """Adam's scaling as FedAdam states it: no bias correction, ``v_0 = tau^2``.
+
+    .. math::
+        m \\leftarrow b_1 m + (1 - b_1) g, \\quad v \\leftarrow b_2 v + (1 - b_2) g^2, \\quad
+        u = \\frac{m}{\\sqrt{v} + \\tau}
+
+    (``optax.scale_by_adam`` always debiases and starts ``v`` at 0.)
+    """
+
+    def init(params):
+        return FedAdamState(otu.tree_zeros_like(params), otu.tree_full_like(params, tau * tau))
+
+    def update(updates, state, params=None):
+        del params
+        mu = otu.tree_update_moment(updates, state.mu, b1, 1)
+        nu = otu.tree_update_moment_per_elem_norm(updates, state.nu, b2, 2)
+        out = jax.tree.map(lambda m, v: m / (jnp.sqrt(v) + tau), mu, nu)
+        return out, FedAdamState(mu, nu)
+
+    return optax.GradientTransformation(init, update)
+
+
+# FedAdam's server learning rate when ``server.lr`` is null.
+FEDADAM_LR = 0.01
+
+
+def fedadam(lr: float = FEDADAM_LR, settings: FedAdamConfig | None = None) -> ServerOptimizer:
+    """FedAdam on ``d = mean_k theta_k - theta``, without bias correction, with the section's
+    ``b1``, ``b2`` and ``tau`` (None: the defaults).
+
+    .. math::
+        m \\leftarrow b_1 m + (1-b_1) d, \\quad v \\leftarrow b_2 v + (1-b_2) d^2 \\
+        (v_0 = \\tau^2), \\quad \\theta \\leftarrow \\theta + \\eta \\frac{m}{\\sqrt v + \\tau}
+
+    Reddi et al., "Adaptive Federated Optimization", ICLR 2021 (arXiv 2003.00295), Alg. 2.
+    With ``g = -d`` the moments are those of ``g`` up to the sign of ``m``.
+    """
+    s = settings or FedAdamConfig()
+    return ServerOptimizer(optax.chain(scale_by_fedadam(s.b1, s.b2, s.tau), optax.scale(-lr)))
+
+
 registry.register_server_optimizer("fedavg", lambda s, lr: fedavg(lr))
-registry.register_server_optimizer("fedavgm", lambda s, lr: fedavgm(lr, beta=s.beta),
+registry.register_server_optimizer("fedavgm", lambda s, lr: fedavgm(lr, s),
                                    config=FedAvgMConfig)
-registry.register_server_optimizer(
-    "fedadam", lambda s, lr: fedadam(lr, b1=s.b1, b2=s.b2, tau=s.tau), config=FedAdamConfig,
-    default_lr=0.01)
+registry.register_server_optimizer("fedadam", lambda s, lr: fedadam(lr, s), config=FedAdamConfig,
+                                   default_lr=FEDADAM_LR)
 
 
 def server_optimizer(cfg) -> ServerOptimizer:
