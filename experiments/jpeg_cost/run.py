@@ -17,7 +17,7 @@ package as committed at ``C`` rather than the working tree. README.md: the comma
 
 Image folders and runs live under ``~/.cache/fedjax-rcl/jpeg_cost`` ($JPEG_COST_ROOT); only
 small records (config, metrics, commands, environment, the crossed evaluations) are copied into
-``experiments/jpeg_cost/runs``.
+``experiments/jpeg_cost/records``.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ import authors_split as asp  # noqa: E402  (tools/authors_split.py)
 
 ROOT = Path(os.environ.get("JPEG_COST_ROOT", "~/.cache/fedjax-rcl/jpeg_cost")).expanduser()
 VERSIONS = ("lossless", "jpeg")
-RECORDS = HERE / "runs"
+RECORDS = HERE / "records"
 RECORD_FILES = ("config.yaml", "metrics.jsonl", "commands.txt", "environment.jsonl")
 
 # MOON's CIFAR-10 training (experiments/paper/moon_cifar10_cnn.yaml), centrally: one client
