@@ -221,7 +221,8 @@ def build(cfg: CoreConfig, dataset: ImageDataset | None = None, *,
       cfg: a validated config.
       dataset: an already loaded dataset (tests reuse one); default ``load_dataset(cfg.dataset)``.
       module: a Flax model to use instead of ``cfg.model`` (its ``__call__(x, *, train)`` must
-        return a ``ModelOutput``).
+        return a ``ModelOutput``); its ``fedjax_rcl.nn.conv`` layers run ``cfg.conv_impl``'s
+        convolutions, as a built model's do.
       pad_clients_to: shape the program for clients of up to this many samples (at least the
         largest client's): several runs with different partitions then share one program.
         The extra steps are masked, as an uneven client's are, so the results do not change.
@@ -257,15 +258,17 @@ def build(cfg: CoreConfig, dataset: ImageDataset | None = None, *,
     test = put_replicated(pack_test(dataset.test_images, dataset.test_labels,
                                     cfg.eval_batch_size), mesh)
 
+    if module is None:
+        module = get_model(cfg.model, num_classes=dataset.num_classes, norm=cfg.norm,
+                           width=cfg.width, **model_kwargs(cfg))
+
     def configured(conv_impl: str) -> ModelFns:
-        return model_fns(get_model(cfg.model, num_classes=dataset.num_classes,
-                                   conv_impl=conv_impl, norm=cfg.norm, width=cfg.width,
-                                   **model_kwargs(cfg)),
+        # A run's convolutions are chosen here: the model's functions trace the module under
+        # them (models.model_fns); the module itself names none.
+        return model_fns(module, conv_impl=conv_impl,
                          partitionable_init=cfg.init_threefry_partitionable)
 
-    built = module is None
-    model = (configured(cfg.conv_impl) if built else
-             model_fns(module, partitionable_init=cfg.init_threefry_partitionable))
+    model = configured(cfg.conv_impl)
     # Local training (and the algorithm's own forward passes) in the configured precision;
     # evaluation and analysis in float32.
     train_model = with_precision(model, cfg.precision)
@@ -280,9 +283,9 @@ def build(cfg: CoreConfig, dataset: ImageDataset | None = None, *,
     devices = 1 if mesh is None else mesh.size
     per_round = clients_per_round(cfg.num_clients, cfg.participation)
     conv_impl = training_conv_impl(cfg.conv_impl, per_round, devices, in_parallel)
-    if built and conv_impl != resolve_conv_impl(cfg.conv_impl):
+    if conv_impl != resolve_conv_impl(cfg.conv_impl):
         # Local training with per-client weights side by side: its own convolutions (the
-        # same weights and results; evaluation keeps the model's).
+        # same weights and results; evaluation keeps the configured ones).
         train_model = with_precision(configured(conv_impl), cfg.precision)
 
     def program_for(cfg: CoreConfig) -> TrainingProgram:
@@ -352,6 +355,5 @@ def build(cfg: CoreConfig, dataset: ImageDataset | None = None, *,
                       table=table, program_for=program_for,
                       evaluate=jax.jit(make_evaluate(model, mean=mean, std=std)),
                       server_start=sopt.start, mesh=mesh,
-                      layout=describe_layout(per_round, devices, in_parallel,
-                                             conv_impl if built else "the given module's")
+                      layout=describe_layout(per_round, devices, in_parallel, conv_impl)
                       + describe_table(cfg.client_states, row, rows))

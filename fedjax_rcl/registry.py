@@ -89,8 +89,10 @@ class ModelEntry:
 
     Attributes:
       name: the ``model=`` value.
-      build: ``(num_classes, *, conv_impl, norm, width, projection_dim) -> flax Module`` whose
-        ``__call__(x, *, train)`` returns a ``ModelOutput``; ``width`` is None when unset.
+      build: ``(num_classes, *, norm, projection_dim) -> flax Module`` whose
+        ``__call__(x, *, train)`` returns a ``ModelOutput``, with ``width=`` too (None when
+        unset) for a model that declares ``width``. How its convolutions run is no argument:
+        the engine chooses it where it traces the model (``fedjax_rcl.nn.conv``).
       num_levels: feature levels in its ``ModelOutput.features``.
       norms: the ``norm=`` values it accepts (its first is the default).
       width: whether ``width=`` applies (a ResNet's first-stage channels).

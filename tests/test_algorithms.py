@@ -105,7 +105,7 @@ def _fixed_batch(toy, n=32):
 
 
 def _descend(algorithm, module, batch, steps=15, lr=0.05):
-    model = model_fns(module)
+    model = model_fns(module, conv_impl="patches")
     params, ms = model.init(jax.random.PRNGKey(0), batch.images[:1])
     ctx = LocalContext(params, ms, (), jax.random.PRNGKey(1))
 
@@ -125,15 +125,14 @@ def _descend(algorithm, module, batch, steps=15, lr=0.05):
 
 
 def test_fedrcl_local_loss_decreases_on_a_fixed_batch(toy):
-    history = _descend(fedrcl(), get_model("cnn", num_classes=4, conv_impl="patches"),
-                       _fixed_batch(toy))
+    history = _descend(fedrcl(), get_model("cnn", num_classes=4), _fixed_batch(toy))
     values = [v for v, _ in history]
     assert values[-1] < 0.8 * values[0]
     assert history[-1][1]["scl"] < history[0][1]["scl"]
 
 
 def test_fedprox_term_pulls_towards_the_global_model(toy):
-    module = get_model("cnn", num_classes=4, conv_impl="patches")
+    module = get_model("cnn", num_classes=4)
     history = _descend(fedprox(FedProxConfig(mu=1.0)), module, _fixed_batch(toy), steps=5)
     assert history[0][1]["prox"] == 0.0  # starts at the global model
     assert 0 < history[-1][1]["prox"] < 1.0
@@ -145,9 +144,9 @@ def test_fedprox_term_pulls_towards_the_global_model(toy):
 def test_normalizations_train_through_the_engine(toy, norm, algorithm):
     """BatchNorm statistics are local state, averaged by the server; TwinNorm needs view
     pairs (FedCL's two views) and evaluates each image alone."""
-    module = ResNet(num_classes=4, stage_sizes=(1, 1), widths=(8, 16), norm=norm,
-                    conv_impl="patches")
-    exp = build(_cfg(algorithm=algorithm, norm=norm, model="resnet18"), toy, module=module)
+    module = ResNet(num_classes=4, stages=((8, 1, 1), (16, 1, 2)), norm=norm)
+    exp = build(_cfg(algorithm=algorithm, norm=norm, model="resnet18", conv_impl="patches"),
+                toy, module=module)
     mean, clients, losses = sequential_round(exp, exp.state)
     state, metrics = jax.jit(exp.run_round)(exp.state, exp.data)
     np.testing.assert_allclose(metrics["client_loss"], losses, rtol=1e-5, atol=1e-6)

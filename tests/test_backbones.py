@@ -120,7 +120,7 @@ def _drawn_like(shapes, seed=0):
     pytest.param(n, marks=pytest.mark.slow) if n in _SLOW_BACKBONES else n for n in sorted(CASES)])
 def test_structure_levels_and_blocks(name):
     kw, count, level_widths = CASES[name]
-    model = model_fns(get_model(name, num_classes=10, conv_impl="native", **kw))
+    model = model_fns(get_model(name, num_classes=10, **kw), conv_impl="native")
     x = jax.random.uniform(jax.random.PRNGKey(0), (2, 32, 32, 3))
     shapes, state_shapes = jax.eval_shape(model.init, jax.random.PRNGKey(1), x[:1])
     assert sum(p.size for p in jax.tree.leaves(shapes)) == count
@@ -151,15 +151,16 @@ def test_mobilenet_depthwise_path_equals_xla_grouped_convolution(cin, features, 
     without (stride 2). MobileNetV2 is a stack of these between 1x1 convolutions, so the
     model-level equality follows; the block keeps the check off the slow step."""
     from fedjax_rcl.models.mobilenet import LinearBottleneck
+    from fedjax_rcl.nn import conv
 
     x = jax.random.uniform(jax.random.PRNGKey(0), (2, 16, 16, cin))
+    block = LinearBottleneck(features, stride, 6)
+    params = block.init(jax.random.PRNGKey(1), x[:1], train=True)
     outs = {}
     for impl in ("patches", "native"):
-        block = LinearBottleneck(features, stride, 6, conv_impl=impl)
-        params = block.init(jax.random.PRNGKey(1), x[:1], train=True)
-
-        def loss(p, block=block):
-            return jnp.mean(block.apply(p, x, train=True) ** 2)
+        def loss(p, impl=impl):
+            with conv.implementation(impl):
+                return jnp.mean(block.apply(p, x, train=True) ** 2)
 
         outs[impl] = jax.jit(jax.value_and_grad(loss))(params)
     (a, ga), (b, gb) = outs["patches"], outs["native"]

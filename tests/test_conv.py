@@ -1,5 +1,7 @@
 """The oneDNN, patch and row convolutions equal XLA's native convolution (values and
-gradients)."""
+gradients), and the implementation in force when a model is traced is the one that runs."""
+
+import functools
 
 import chex
 import jax
@@ -85,15 +87,82 @@ def test_matmul_convs_under_vmap_over_kernels(impl):
 def test_models_agree_across_conv_impls(name):
     """Whole models (logits and every feature level) agree within 1e-5 for both implementations."""
     x = jax.random.uniform(jax.random.PRNGKey(2), (2, 32, 32, 3))
-    native = get_model(name, num_classes=10, conv_impl="native")
-    weights, state = model_fns(native).init(jax.random.PRNGKey(3), x)  # jitted: eager is slow
+    model = get_model(name, num_classes=10)
+    weights, state = model_fns(model, conv_impl="native").init(jax.random.PRNGKey(3), x)
     params = {"params": weights, **state}
-    want = jax.jit(native.apply)(params, x)
+    want = jax.jit(conv_module.under("native", model.apply))(params, x)
     for impl in IMPLS:
         if impl == "onednn" and not onednn.available():
             continue
-        got = jax.jit(get_model(name, num_classes=10, conv_impl=impl).apply)(params, x)
+        got = jax.jit(conv_module.under(impl, model.apply))(params, x)
         chex.assert_trees_all_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def _convolutions(fn, *args) -> tuple[int, int]:
+    """XLA convolutions and matrix products in ``fn``'s jaxpr, traced afresh (a new function:
+    JAX's trace cache, which does not see the implementation in force, holds the last)."""
+    jaxpr = str(jax.make_jaxpr(lambda *a: fn(*a))(*args))
+    return jaxpr.count("conv_general_dilated["), jaxpr.count("dot_general[")
+
+
+def test_the_implementation_in_force_when_traced_runs():
+    """``implementation`` is read while a convolution layer is traced: XLA's convolution under
+    ``native``, patch matrix products under ``patches``; the innermost scope holds, and
+    outside any the layer runs ``auto``'s choice."""
+    layer = conv_module.torch_conv(3, 4, 3, padding=1)
+    x = jnp.ones((2, 8, 8, 3))
+    variables = layer.init(jax.random.PRNGKey(0), x)
+    apply = functools.partial(layer.apply, variables)
+    assert conv_module.current_implementation() == "auto"
+    with conv_module.implementation("native"):
+        assert _convolutions(apply, x)[0] == 1
+        with conv_module.implementation("patches"):
+            assert conv_module.current_implementation() == "patches"
+            assert _convolutions(apply, x) == (0, 1)
+        assert _convolutions(apply, x)[0] == 1
+    assert conv_module.current_implementation() == "auto"
+    with pytest.raises(ValueError, match="conv_impl"), conv_module.implementation("fast"):
+        pass
+
+
+def test_under_fixes_the_implementation_whatever_the_caller_sets():
+    """A function wrapped by ``under`` traces with its own implementation, so that a jit
+    cache, which does not see the scope, cannot hand back a trace made under another."""
+    layer = conv_module.torch_conv(3, 4, 3, padding=1)
+    x = jnp.ones((2, 8, 8, 3))
+    variables = layer.init(jax.random.PRNGKey(0), x)
+    native = conv_module.under("native", functools.partial(layer.apply, variables))
+    with conv_module.implementation("patches"):
+        assert _convolutions(native, x)[0] == 1
+    fns = model_fns(get_model("cnn", num_classes=10), conv_impl="native")
+    assert fns.conv_impl == "native"
+    params, state = fns.init(jax.random.PRNGKey(0), jnp.ones((1, 32, 32, 3)))
+    with conv_module.implementation("patches"):
+        assert _convolutions(lambda p, x: fns.apply(p, state, x, train=False), params,
+                             jnp.ones((2, 32, 32, 3)))[0] == 2
+
+
+def test_choose_is_the_one_per_shape_rule():
+    """Native everywhere under ``native``; grouped convolutions through their own
+    formulation otherwise; under ``cpu``, oneDNN where it runs, else rows for narrow inputs
+    and patches for the rest."""
+    narrow, wide = jnp.ones((2, 32, 32, 3)), jnp.ones((2, 8, 8, 64))
+    k_narrow, k_wide = jnp.ones((5, 5, 3, 6)), jnp.ones((3, 3, 64, 64))
+    same = ((1, 1), (1, 1))
+    assert conv_module.choose("native", wide, k_wide, (1, 1), same,
+                              64) is lax.conv_general_dilated
+    for impl in ("patches", "rows", "cpu", "onednn"):
+        assert (conv_module.choose(impl, wide, jnp.ones((3, 3, 1, 64)), (1, 1), same, 64)
+                is conv_module.grouped_conv_general_dilated)
+    assert conv_module.choose("patches", narrow, k_narrow, (1, 1), "VALID") is (
+        patch_conv_general_dilated)
+    assert conv_module.choose("rows", wide, k_wide, (1, 1), same) is row_conv_general_dilated
+    cpu = [conv_module.choose("cpu", x, k, (1, 1), p)
+           for x, k, p in ((narrow, k_narrow, "VALID"), (wide, k_wide, same))]
+    if onednn.available():
+        assert cpu == [onednn_conv_general_dilated] * 2
+    else:
+        assert cpu == [row_conv_general_dilated, patch_conv_general_dilated]
 
 
 @pytest.mark.parametrize("impl", sorted(IMPLS))

@@ -139,31 +139,38 @@ def test_the_layout_in_words():
 def test_build_trains_with_the_layouts_convolutions_and_evaluates_with_the_models(
         monkeypatch, toy):
     """Where the layout asks for other convolutions (the patch ones for clients side by side
-    on a GPU, forced here on the CPU), ``build`` trains with a model built with them, which
+    on a GPU, forced here on the CPU), ``build`` traces local training with them, which
     gives the round of the platform's own within float tolerance; evaluation keeps the
-    configured model."""
+    configured ones. One model, traced under each."""
     from fedjax_rcl import experiment
 
     made = []
-    real_get_model = experiment.get_model
+    real_model_fns = experiment.model_fns
 
-    def spy(*args, **kw):
+    def spy(module, **kw):
         made.append(kw.get("conv_impl"))
-        return real_get_model(*args, **kw)
+        return real_model_fns(module, **kw)
 
     cfg = _cfg(batch_size=8)
     base = experiment.build(cfg, toy)
-    monkeypatch.setattr(experiment, "get_model", spy)
+    monkeypatch.setattr(experiment, "model_fns", spy)
+    monkeypatch.setattr(experiment, "training_conv_impl", lambda *a, **k: "native")
+    native = experiment.build(cfg, toy)
     monkeypatch.setattr(experiment, "training_conv_impl", lambda *a, **k: "patches")
     exp = experiment.build(cfg, toy)
-    assert made == ["auto", "patches"]
+    assert made == ["auto", "native", "auto", "patches"]
     assert exp.layout == "clients side by side, conv_impl=patches"
     assert base.layout == "clients side by side, conv_impl=cpu"
+    # Which convolutions the round traced: XLA's under native, none under patches (nor under
+    # the CPU's oneDNN or matmul ones).
+    for e, convolutions in ((native, True), (exp, False), (base, False)):
+        jaxpr = str(jax.make_jaxpr(e.run_round)(e.state, e.data))
+        assert ("conv_general_dilated[" in jaxpr) == convolutions
     new_state, metrics = jax.jit(exp.run_round)(exp.state, exp.data)
     base_state, base_metrics = jax.jit(base.run_round)(base.state, base.data)
     chex.assert_trees_all_close(new_state.params, base_state.params, rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(metrics["client_loss"], base_metrics["client_loss"], rtol=1e-5)
-    assert exp.model.module.conv_impl == "auto"  # evaluation: the configured model
+    assert exp.model.conv_impl == "auto"  # evaluation: the configured convolutions
 
 
 def test_weighted_mean_over_client_axis():
@@ -278,7 +285,7 @@ def test_dropout_gets_its_key_from_the_engine(toy):
 
     registry.register_model(
         "test_pfl_cnn_no_dropout",
-        lambda n, conv_impl="auto", **_: PflCNN(n, conv_impl=conv_impl, dropout=(0.0, 0.0)),
+        lambda n, **_: PflCNN(n, dropout=(0.0, 0.0)),
         num_levels=3)
     try:
         runs, inits = {}, {}

@@ -33,7 +33,7 @@ def _splice(local, glob, name, m):
 
 def _setup(name, size):
     kw = {"width": 4} if name.startswith("resnet") else {}
-    model = model_fns(get_model(name, num_classes=5, conv_impl="patches", **kw))
+    model = model_fns(get_model(name, num_classes=5, **kw), conv_impl="patches")
     rng = np.random.default_rng(0)
     images = jnp.asarray(rng.normal(size=(6, size, size, 3)), jnp.float32)
     labels = jnp.asarray(rng.integers(0, 5, 6), jnp.int32)

@@ -31,7 +31,7 @@ def _reference(logits, global_logits, labels, beta, tau):
 
 @pytest.fixture(scope="module")
 def setup():
-    model = model_fns(get_model("cnn", num_classes=5, conv_impl="patches"))
+    model = model_fns(get_model("cnn", num_classes=5), conv_impl="patches")
     rng = np.random.default_rng(0)
     images = jnp.asarray(rng.normal(size=(12, 16, 16, 3)), jnp.float32)
     labels = jnp.asarray(rng.integers(0, 5, 12), jnp.int32)

@@ -58,7 +58,7 @@ def test_custom_gradients_and_the_onednn_kernels_count_like_the_native_convoluti
     counts = {}
     impls = ["native", "patches"] + (["onednn"] if onednn.available() else [])
     for impl in impls:
-        m = model_fns(get_model("resnet10", num_classes=10, conv_impl=impl, width=8))
+        m = model_fns(get_model("resnet10", num_classes=10, width=8), conv_impl=impl)
         p, s = m.init(jax.random.PRNGKey(0), np.zeros((1, 32, 32, 3)))
         counts[impl] = layout.forward_flops(m.apply, p, s, (32, 32, 3), 2)
     assert len(set(counts.values())) == 1, counts

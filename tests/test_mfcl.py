@@ -295,7 +295,7 @@ def test_probe_controls_are_the_same_probe_on_a_random_server_and_on_pixels():
     cfg = load_config(None, TINY, defaults=MFCL_DEFAULTS)
     exp = build(cfg, mfcl_dataset(cfg))
     encode = client_encoder(exp)(exp.state.params, exp.state.model_state)
-    model = ServerModel(width=4, projection_dim=16, conv_impl=cfg.conv_impl)
+    model = ServerModel(width=4, projection_dim=16)
     root = jax.random.PRNGKey(cfg.seed)
     state = phase2.init_server_training(model, jax.random.fold_in(root, 16), (16, 16, 64),
                                         optax.identity())
@@ -328,7 +328,7 @@ def test_probe_projection_reads_the_projection_heads_output():
                       defaults=MFCL_DEFAULTS)
     exp = build(cfg, mfcl_dataset(cfg))
     encode = client_encoder(exp)(exp.state.params, exp.state.model_state)
-    model = ServerModel(width=4, projection_dim=16, conv_impl=cfg.conv_impl)
+    model = ServerModel(width=4, projection_dim=16)
     root = jax.random.PRNGKey(cfg.seed)
     state = phase2.init_server_training(model, jax.random.fold_in(root, 3), (16, 16, 64),
                                         optax.identity())

@@ -24,10 +24,18 @@ from fedjax_rcl.models.mfcl import (
     ServerModel,
     ServerNetwork,
 )
+from fedjax_rcl.nn import conv
 from fedjax_rcl.nn.twin_norm import twin_norm
 
 NORMS = ("twin", "group", "batch")
 IMPL = "native"
+
+
+@pytest.fixture(autouse=True)
+def _native_convolutions():
+    """The modules here are traced directly (Flax's ``init`` and ``apply``), with ``IMPL``."""
+    with conv.implementation(IMPL):
+        yield
 
 
 def _images(n=4, size=8, seed=0):
@@ -89,14 +97,14 @@ def _run(module, variables, x, *, train):
 def test_client_decoder_autoencoder_shapes(norm):
     x = _images()
     r = jnp.ones((4, 4, 4, 64))
-    client, decoder = ClientModule(norm, conv_impl=IMPL), Decoder(norm, conv_impl=IMPL)
+    client, decoder = ClientModule(norm), Decoder(norm)
     assert jax.eval_shape(lambda: client.init_with_output(
         jax.random.PRNGKey(0), x, train=False)[0]).shape == (4, 4, 4, 64)
     assert jax.eval_shape(lambda: decoder.init_with_output(
         jax.random.PRNGKey(0), r, train=False)[0]).shape == x.shape
 
     # The autoencoder's output, with values, in test_reconstruction_gradients_...
-    out = jax.eval_shape(lambda: Autoencoder(norm, conv_impl=IMPL).init_with_output(
+    out = jax.eval_shape(lambda: Autoencoder(norm).init_with_output(
         jax.random.PRNGKey(0), x, train=False)[0])
     assert isinstance(out, ModelOutput)
     assert out.logits.shape == x.shape and out.logits.dtype == jnp.float32
@@ -107,25 +115,25 @@ def test_client_decoder_autoencoder_shapes(norm):
 def test_decoder_restores_even_sizes_and_autoencoder_refuses_odd_ones():
     for h, w in ((4, 4), (8, 12), (16, 16)):
         r = jnp.ones((2, h // 2, w // 2, 64))
-        y = jax.eval_shape(lambda r=r: Decoder("group", conv_impl=IMPL).init_with_output(
+        y = jax.eval_shape(lambda r=r: Decoder("group").init_with_output(
             jax.random.PRNGKey(0), r, train=False)[0])
         assert y.shape == (2, h, w, 3)
     grey = jnp.ones((2, 8, 8, 1))  # the decoder gives back the input's channels
-    out = jax.eval_shape(lambda: Autoencoder("group", conv_impl=IMPL).init_with_output(
+    out = jax.eval_shape(lambda: Autoencoder("group").init_with_output(
         jax.random.PRNGKey(0), grey, train=False)[0])
     assert out.logits.shape == grey.shape
     with pytest.raises(ValueError, match="even"):
-        _shapes(Autoencoder("group", conv_impl=IMPL), jnp.ones((2, 9, 8, 3)))
+        _shapes(Autoencoder("group"), jnp.ones((2, 9, 8, 3)))
 
 
 def test_server_network_model_and_head_shapes():
     r = jnp.asarray(np.random.default_rng(0).normal(size=(4, 4, 4, 64)), jnp.float32)
     for width in (8, 16):
-        h = jax.eval_shape(lambda width=width: ServerNetwork(width, conv_impl=IMPL)
+        h = jax.eval_shape(lambda width=width: ServerNetwork(width)
                            .init_with_output(jax.random.PRNGKey(0), r, train=False)[0])
         assert h.shape == (4, 8 * width)
     # ServerModel runs in test_server_batchnorm_statistics_...
-    h, z = jax.eval_shape(lambda: ServerModel(8, projection_dim=16, conv_impl=IMPL)
+    h, z = jax.eval_shape(lambda: ServerModel(8, projection_dim=16)
                           .init_with_output(jax.random.PRNGKey(0), r, train=False)[0])
     assert h.shape == (4, 64) and z.shape == (4, 16)
     # The head's hidden layers default to the embedding's size, its output to 128.
@@ -139,16 +147,16 @@ def test_parameter_counts_match_hand_counts(norm):
     x = _images(2)
     convs = 3 * 3 * 3 * 64 + 3 * 3 * 64 * 64
     norms = 2 * (64 + 64)  # scale and shift per channel, two layers
-    params = _shapes(ClientModule(norm, conv_impl=IMPL), x)["params"]
+    params = _shapes(ClientModule(norm), x)["params"]
     assert _count(params) == convs + norms == 38_848
-    dec = _shapes(Decoder(norm, conv_impl=IMPL), jnp.ones((2, 4, 4, 64)))["params"]
+    dec = _shapes(Decoder(norm), jnp.ones((2, 4, 4, 64)))["params"]
     # transposed conv and conv (no bias) + two norms + the output conv with its bias
     assert _count(dec) == 2 * 3 * 3 * 64 * 64 + 2 * 128 + 3 * 3 * 64 * 3 + 3 == 75_715
 
 
 def test_server_parameter_counts():
     r = jnp.ones((2, 4, 4, 64))
-    params = _shapes(ServerNetwork(64, conv_impl=IMPL), r)["params"]
+    params = _shapes(ServerNetwork(64), r)["params"]
     # ResNet-18 for 10 classes (11,173,962) less its stem conv + norm and its classifier.
     assert _count(params) == 11_173_962 - 3 * 3 * 3 * 64 - 128 - (512 * 10 + 10) == 11_166_976
     head = _shapes(MfclProjectionHead(), jnp.ones((2, 512)))["params"]
@@ -165,7 +173,7 @@ def test_which_rows_depend_on_the_second_view_of_sample_0(norm, changed):
     view) changes exactly the rows whose statistics it enters."""
     x = _images(4)
     other = x.at[2].set(_images(1, seed=7)[0])
-    client = ClientModule(norm, group_size=16, conv_impl=IMPL)
+    client = ClientModule(norm, group_size=16)
     v = _init(client, x, seed=1)
     run = _runner(client, train=True)
     before, after = np.asarray(run(v, x)), np.asarray(run(v, other))
@@ -187,7 +195,7 @@ def _reference_twin_client(params, x, group_size):
 
 def test_twin_client_module_equals_twin_norm_reference():
     x = _images(6)
-    client = ClientModule("twin", group_size=16, conv_impl=IMPL)
+    client = ClientModule("twin", group_size=16)
     params = _init(client, x, seed=1)["params"]  # scales and shifts not 1 and 0: used too
 
     @jax.jit
@@ -205,12 +213,12 @@ def test_twin_client_module_equals_twin_norm_reference():
     assert np.abs(np.asarray(single) - np.asarray(got)).max() > 1e-3  # pairs do matter
     # The default group size, 32, is 2 groups of the 64 channels; 48 divides nothing here.
     with pytest.raises(ValueError, match="group_size"):
-        _shapes(ClientModule("twin", group_size=48, conv_impl=IMPL), x)
+        _shapes(ClientModule("twin", group_size=48), x)
 
 
 def test_twin_norm_needs_view_pairs_in_training_only():
     x = _images(3)
-    for module in (ClientModule("twin", conv_impl=IMPL), Autoencoder("twin", conv_impl=IMPL)):
+    for module in (ClientModule("twin"), Autoencoder("twin")):
         v = _shapes(module, x)  # init runs in evaluation mode: any batch
         with pytest.raises(ValueError, match="view pairs"):
             jax.eval_shape(lambda v, x, m=module: m.apply(v, x, train=True), v, x)
@@ -219,7 +227,7 @@ def test_twin_norm_needs_view_pairs_in_training_only():
 
 def test_server_batchnorm_statistics_are_state_updated_in_training():
     r = jnp.asarray(np.random.default_rng(0).normal(1.0, 1.0, (4, 4, 4, 64)), jnp.float32)
-    model = ServerModel(8, projection_dim=16, conv_impl=IMPL)
+    model = ServerModel(8, projection_dim=16)
     v = _init(model, r, seed=1)
     assert set(v) == {"params", "batch_stats"}
     assert {"network", "head"} <= set(v["batch_stats"])
@@ -243,11 +251,10 @@ def test_registered_and_built_by_get_model():
     assert entry.num_levels == 1 and entry.norms == ("twin", "group", "batch")
     module = get_model("mfcl_autoencoder", num_classes=10, norm="group")
     assert isinstance(module, Autoencoder) and module.norm == "group"
-    assert module.conv_impl == "auto"
     assert entry.build(10).norm == "twin"
     # The engine's functional pair (init in evaluation mode on one image) works for it. (An
     # RngBitGenerator key: the default threefry initialisers take seconds to compile on a CPU.)
-    fns = model_fns(get_model("mfcl_autoencoder", num_classes=10, norm="twin", conv_impl=IMPL))
+    fns = model_fns(get_model("mfcl_autoencoder", num_classes=10, norm="twin"), conv_impl=IMPL)
     x = _images(4)
     params, state = fns.init(jax.random.key(0, impl="rbg"), x[:1])
     assert state == {}
@@ -256,18 +263,24 @@ def test_registered_and_built_by_get_model():
 
 
 def test_conv_impl_reaches_the_convolutions():
+    """The implementation in force when the autoencoder is traced runs all its convolutions,
+    the decoder's upsampling one included: XLA's under ``native``, none under ``patches``."""
     x = _images(2)
-    native, patches = (Autoencoder("group", conv_impl=impl) for impl in ("native", "patches"))
-    v = _init(native, x)
-    want = _run(native, v, x, train=False).logits
-    got = _run(patches, v, x, train=False).logits
+    ae = Autoencoder("group")
+    v = _init(ae, x)
+    want = _run(ae, v, x, train=False).logits
+    with conv.implementation("patches"):
+        got = _run(ae, v, x, train=False).logits
+        patches = str(jax.make_jaxpr(lambda v, x: _apply(ae, v, x, train=False))(v, x))
+    native = str(jax.make_jaxpr(lambda v, x: _apply(ae, v, x, train=False))(v, x))
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+    assert native.count("conv_general_dilated[") == 5 and "conv_general_dilated[" not in patches
 
 
 @pytest.mark.parametrize("norm", NORMS)
 def test_reconstruction_gradients_reach_every_parameter(norm):
     x = _images(4)
-    ae = Autoencoder(norm, conv_impl=IMPL)
+    ae = Autoencoder(norm)
     v = _init(ae, x)
     params, state = v["params"], {k: s for k, s in v.items() if k != "params"}
 

@@ -7,10 +7,19 @@ import pytest
 from jax import lax
 
 from fedjax_rcl.models import get_model
+from fedjax_rcl.nn import conv
+
+
+@pytest.fixture(autouse=True)
+def _patch_convolutions():
+    """The models here are traced directly (Flax's ``init`` and ``apply``), with the patch
+    convolutions."""
+    with conv.implementation("patches"):
+        yield
 
 
 def _init(name, classes=10, shape=(2, 32, 32, 3)):
-    model = get_model(name, num_classes=classes, conv_impl="patches")
+    model = get_model(name, num_classes=classes)
     x = jax.random.uniform(jax.random.PRNGKey(0), shape)
     return model, model.init(jax.random.PRNGKey(1), x)["params"], x
 
@@ -56,7 +65,7 @@ def test_moon_cnn_classifies_the_projection_like_moons_model_fed_con():
     np.testing.assert_allclose(out.projection, z @ params["projection"]["proj2"]["kernel"]
                                + params["projection"]["proj2"]["bias"], rtol=1e-5, atol=1e-5)
     # The plain CNN with MOON's head keeps its classifier on the embedding.
-    plain = get_model("cnn", num_classes=10, conv_impl="patches", projection_dim=256)
+    plain = get_model("cnn", num_classes=10, projection_dim=256)
     assert plain.init(jax.random.PRNGKey(1), x)["params"]["head"]["kernel"].shape == (84, 10)
 
 
@@ -96,8 +105,8 @@ def test_stride2_padding_is_symmetric_like_pytorch():
     x = jax.random.normal(jax.random.PRNGKey(5), (1, 32, 32, 64))
     from fedjax_rcl.nn.conv import torch_conv
 
-    conv = torch_conv(64, 128, 3, stride=2, padding=1, use_bias=False, conv_impl="patches")
-    y = conv.apply({"params": {"kernel": w}}, x)
+    layer = torch_conv(64, 128, 3, stride=2, padding=1, use_bias=False)
+    y = layer.apply({"params": {"kernel": w}}, x)
     dn = ("NHWC", "HWIO", "NHWC")
     sym = lax.conv_general_dilated(x, w, (2, 2), ((1, 1), (1, 1)), dimension_numbers=dn)
     same = lax.conv_general_dilated(x, w, (2, 2), "SAME", dimension_numbers=dn)
@@ -158,7 +167,7 @@ def test_hand_count_reproduces_the_reference_resnet18():
 ])
 def test_narrow_and_shallow_resnets(name, stages, width):
     """``width`` scales every stage; ``resnet10`` has one block per stage; same five levels."""
-    model = get_model(name, num_classes=10, conv_impl="patches", width=width)
+    model = get_model(name, num_classes=10, width=width)
     x = jax.random.uniform(jax.random.PRNGKey(0), (2, 32, 32, 3))
     params = model.init(jax.random.PRNGKey(1), x)["params"]
     assert sum(p.size for p in jax.tree.leaves(params)) == _basic_resnet_params(stages, width)
@@ -185,7 +194,7 @@ def test_model_fns_init_uses_the_chosen_threefry_layout(partitionable):
 
     from fedjax_rcl.models.base import model_fns
 
-    module = get_model("cnn", num_classes=10, conv_impl="patches")
+    module = get_model("cnn", num_classes=10)
     key, sample = jax.random.PRNGKey(3), np.zeros((1, 32, 32, 3), np.float32)
     params, _ = model_fns(module, partitionable_init=partitionable).init(key, sample)
     with jax.threefry_partitionable(partitionable):

@@ -134,7 +134,7 @@ def test_params_and_shapes_match_flax_modules():
 def test_baseline_matches_project_resnet18():
     from fedjax_rcl.models.resnet import resnet18
 
-    model = resnet18(10, width=8, projection_dim=16, conv_impl="native")
+    model = resnet18(10, width=8, projection_dim=16)
     variables = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, 8, 8, 3)),
                                train=False)
     params = dict(variables["params"])

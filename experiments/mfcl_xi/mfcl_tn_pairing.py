@@ -61,6 +61,7 @@ def _pairing(run_dir: Path) -> dict:
     from fedjax_rcl.mfcl.probe import lbfgs_probe
     from fedjax_rcl.mfcl.run import mfcl_dataset
     from fedjax_rcl.models.mfcl import ServerModel
+    from fedjax_rcl.nn import conv
 
     cfg = resume_config(run_dir, force=True)
     if cfg.norm != "twin":
@@ -82,13 +83,13 @@ def _pairing(run_dir: Path) -> dict:
     ds, root = exp.dataset, jax.random.PRNGKey(cfg.seed)
     rep_shape = jax.eval_shape(lambda x: encode(x, False),
                                jax.ShapeDtypeStruct((1, *ds.image_shape), jnp.float32)).shape
-    model = ServerModel(width=m.server_width, projection_dim=m.projection_dim,
-                        conv_impl=cfg.conv_impl)
+    model = ServerModel(width=m.server_width, projection_dim=m.projection_dim)
     tx = phase2.server_optimizer(m.server_lr, m.server_weight_decay, 1)  # state shape only
-    trained = restore("phase2", phase2.init_server_training(model, root, rep_shape[1:], tx),
-                      m.server_epochs)
-    random = phase2.init_server_training(model, jax.random.fold_in(root, _CONTROL_STREAM),
-                                         rep_shape[1:], tx)
+    with conv.implementation(cfg.conv_impl):  # the run's convolutions, as mfcl.run traces
+        trained = restore("phase2", phase2.init_server_training(model, root, rep_shape[1:],
+                                                                tx), m.server_epochs)
+        random = phase2.init_server_training(model, jax.random.fold_in(root, _CONTROL_STREAM),
+                                             rep_shape[1:], tx)
     servers = {"trained": {"params": trained.params, "batch_stats": trained.batch_stats},
                "random": {"params": random.params, "batch_stats": random.batch_stats}}
     form_key = jax.random.fold_in(root, _FORM_STREAM)
@@ -108,7 +109,8 @@ def _pairing(run_dir: Path) -> dict:
 
     @functools.partial(jax.jit, static_argnums=3)
     def embed(variables, images, index, form):
-        embedding, _ = model.apply(variables, represent(form, images, index), train=False)
+        with conv.implementation(cfg.conv_impl):
+            embedding, _ = model.apply(variables, represent(form, images, index), train=False)
         return embedding
 
     def features(variables, images, offset, form, chunk=500):

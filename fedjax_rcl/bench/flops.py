@@ -44,8 +44,8 @@ def forward_flops(model_name: str, *, num_classes: int = 10, image_size: int = 3
     """
     # The native convolution: every implementation counts the same (tests/test_layout.py), and
     # this one needs no kernel built.
-    fns = model_fns(get_model(model_name, num_classes=num_classes, conv_impl="native",
-                              projection_dim=projection_dim, width=width))
+    fns = model_fns(get_model(model_name, num_classes=num_classes,
+                              projection_dim=projection_dim, width=width), conv_impl="native")
     shape = (image_size, image_size, in_channels)
     sample = jax.ShapeDtypeStruct((1, *shape), np.float32)
     params, model_state = jax.eval_shape(fns.init, jax.random.PRNGKey(0), sample)

@@ -18,6 +18,7 @@ from fedjax_rcl.config import CoreConfig
 from fedjax_rcl.experiment import Experiment
 from fedjax_rcl.mfcl import phase2
 from fedjax_rcl.models.mfcl import ClientModule
+from fedjax_rcl.nn import conv
 
 __all__ = ["ClientEncoder", "client_encoder", "client_statistics", "represent_all"]
 
@@ -52,6 +53,8 @@ class ClientEncoder:
 
     Attributes:
       module: the ``ClientModule``.
+      apply: ``module.apply`` tracing with the run's evaluation convolutions (the phase-1
+        model's, ``ModelFns.conv_impl``).
       variables: its variables (``params`` and, for BatchNorm, ``batch_stats``).
       norm: the client module's normalisation.
       bn_layers: the names of its normalisation layers, in order, each after the convolution
@@ -62,8 +65,8 @@ class ClientEncoder:
 
     def __init__(self, exp: Experiment, params, model_state):
         ae = exp.model.module
-        self.module = ClientModule(ae.norm, ae.group_size, ae.conv_impl,
-                                   tn_variance=ae.tn_variance)
+        self.module = ClientModule(ae.norm, ae.group_size, tn_variance=ae.tn_variance)
+        self.apply = conv.under(exp.model.conv_impl, self.module.apply)
         self.norm = exp.cfg.norm
         self._batch_stats = _batch_dependent(exp.cfg)
         self._compiled: dict = {}
@@ -73,15 +76,13 @@ class ClientEncoder:
 
     def __call__(self, x: jax.Array, paired: bool, batch_stats=None) -> jax.Array:
         if batch_stats is not None:  # a client's own statistics, BatchNorm's evaluation form
-            return self.module.apply({**self.variables, "batch_stats": batch_stats}, x,
-                                     train=False)
+            return self.apply({**self.variables, "batch_stats": batch_stats}, x, train=False)
         # Twin Normalization: the client computes each pair's representations together;
         # GroupNorm, and BatchNorm by default, use their evaluation form (running
         # statistics), which depends on no other sample.
         if paired and self._batch_stats:  # training form; the running statistics stay frozen
-            return self.module.apply(self.variables, x, train=True,
-                                     mutable=["batch_stats"])[0]
-        return self.module.apply(self.variables, x, train=paired and self.norm == "twin")
+            return self.apply(self.variables, x, train=True, mutable=["batch_stats"])[0]
+        return self.apply(self.variables, x, train=paired and self.norm == "twin")
 
     def norm_input_moments(self, x: jax.Array, mask: jax.Array, batch_stats, layer: int
                            ) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -90,7 +91,7 @@ class ClientEncoder:
         marked in ``mask [N]`` (rows i and i + N), the earlier layers normalised with
         ``batch_stats``; ``M2`` is the sum of squared deviations from ``mean``."""
         name = f"conv{layer}"
-        _, state = self.module.apply(
+        _, state = self.apply(
             {**self.variables, "batch_stats": batch_stats}, x, train=False,
             capture_intermediates=lambda mdl, method: mdl.name == name,
             mutable=["intermediates"])

@@ -53,6 +53,7 @@ from fedjax_rcl.mfcl.encoder import _padded, client_encoder, represent_all
 from fedjax_rcl.mfcl.probe import adam_probe, lbfgs_probe
 from fedjax_rcl.mfcl.resources import format_resources, mfcl_resources
 from fedjax_rcl.models.mfcl import ServerModel
+from fedjax_rcl.nn import conv
 from fedjax_rcl.rundir import RunDir, atomic_write_text
 from fedjax_rcl.validation import ConfigError
 
@@ -181,10 +182,11 @@ def _phase2(exp: Experiment, run_dir: Path, encode, resuming: bool, sink: Sink, 
     log(f"representations {tuple(reps.shape)} in {time.perf_counter() - t0:.1f} s")
     batch = min(m.server_batch_size, len(pool))
     steps = len(pool) // batch
-    model = ServerModel(width=m.server_width, projection_dim=m.projection_dim,
-                        conv_impl=cfg.conv_impl)
+    # The server network's programs trace with the run's convolutions (conv_impl).
+    model = ServerModel(width=m.server_width, projection_dim=m.projection_dim)
     tx = phase2.server_optimizer(m.server_lr, m.server_weight_decay, steps * m.server_epochs)
-    state = phase2.init_server_training(model, key, reps.shape[1:], tx)
+    with conv.implementation(cfg.conv_impl):
+        state = phase2.init_server_training(model, key, reps.shape[1:], tx)
     ckpt = Checkpointer(RunDir(run_dir).checkpoint_dir("phase2"), keep=cfg.keep_checkpoints)
 
     def meta(done: int) -> dict:
@@ -199,9 +201,8 @@ def _phase2(exp: Experiment, run_dir: Path, encode, resuming: bool, sink: Sink, 
         if done == 0 and not ckpt.steps():
             save_checkpoint(ckpt, run_dir, 0, state, meta(0), "phase 2 epoch 0")
         if done < m.server_epochs:
-            epoch = jax.jit(phase2.make_server_epoch(model, tx, batch_size=batch,
-                                                     temperature=m.temperature),
-                            donate_argnums=0)
+            epoch = jax.jit(conv.under(cfg.conv_impl, phase2.make_server_epoch(
+                model, tx, batch_size=batch, temperature=m.temperature)), donate_argnums=0)
             log(f"phase 2: compiling the server epoch ({steps} steps of {batch} pairs)...")
             t = time.perf_counter()
             epoch = epoch.lower(state, reps, key).compile()
@@ -266,7 +267,8 @@ def _probe(exp: Experiment, encode, model, state, chunk: int = 500) -> dict:
     @jax.jit
     def features(variables, images):
         x = images.astype(jnp.float32) / 255.0
-        embedding, projection = model.apply(variables, encode(x, False), train=False)
+        with conv.implementation(cfg.conv_impl):
+            embedding, projection = model.apply(variables, encode(x, False), train=False)
         return (embedding, projection) if m.probe_projection else (embedding,)
 
     def probe(train_x, test_x, prefix, scale=1.0):
@@ -293,8 +295,10 @@ def _probe(exp: Experiment, encode, model, state, chunk: int = 500) -> dict:
     if m.probe_controls:
         rep_shape = jax.eval_shape(lambda x: encode(x, False),
                                    jax.ShapeDtypeStruct((1, *ds.image_shape), jnp.float32))
-        random = phase2.init_server_training(model, jax.random.fold_in(root, _CONTROL_STREAM),
-                                             rep_shape.shape[1:], optax.identity())
+        with conv.implementation(cfg.conv_impl):
+            random = phase2.init_server_training(
+                model, jax.random.fold_in(root, _CONTROL_STREAM), rep_shape.shape[1:],
+                optax.identity())
         out.update(server_probe({"params": random.params, "batch_stats": random.batch_stats},
                                 ("control_random_server_",
                                  "control_random_server_projection_")))

@@ -158,26 +158,33 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def get_model(name: str, *, num_classes: int, conv_impl: str = "auto", norm: str = "group",
+def get_model(name: str, *, num_classes: int, norm: str = "group",
               projection_dim: int | None = None, width: int | None = None,
               **extra) -> nn.Module:
     """Builds a registered model (``fedjax_rcl.registry``) by its config name.
+
+    The model does not fix how its convolutions run: that is chosen where it is traced
+    (``model_fns(module, conv_impl=)``, ``fedjax_rcl.nn.conv.implementation``).
 
     Args:
       name: a registered model (built in: cnn, moon_cnn, pfl_cnn, resnet10, resnet18, resnet34,
         resnet50, vgg9, mobilenet_v2, squeezenet, shufflenet, shufflenet_v2,
         mfcl_autoencoder).
       num_classes: size of the classifier output.
-      conv_impl: ``"auto" | "cpu" | "patches" | "rows" | "native"`` (see ``fedjax_rcl.nn.conv``).
       norm: normalization kind for models that have one (the CNN has none).
       projection_dim: add a MOON projection head with this output size.
-      width: channels of a ResNet's first stage (stages ``w, 2w, 4w, 8w``); None: 64.
+      width: channels of a ResNet's first stage (stages ``w, 2w, 4w, 8w``); None: 64. Passed
+        to models that declare it (``registry.ModelEntry.width``) and refused for the others,
+        as the config's checks refuse it.
       extra: model-specific arguments an algorithm asks for (``AlgorithmEntry.model_kwargs``,
         e.g. MFCL's ``group_size``).
     """
     entry = registry.model(name)
-    return entry.build(num_classes, conv_impl=conv_impl, norm=norm, width=width,
-                       projection_dim=projection_dim, **extra)
+    if entry.width:
+        extra["width"] = width
+    elif width is not None:
+        raise ValueError(f"width={width!r}: model={name} has a fixed width")
+    return entry.build(num_classes, norm=norm, projection_dim=projection_dim, **extra)
 
 
 def input_size_problem(name: str, dataset: str, image_shape: tuple[int, ...]) -> str | None:

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from fedjax_rcl import registry
+from fedjax_rcl.nn import conv
 from fedjax_rcl.nn.conv import torch_dense
 
 ModelState = Any  # non-trained variables (BatchNorm statistics); ``{}`` for most models
@@ -74,37 +75,48 @@ class ModelFns:
         evaluation mode from block ``start`` on, ``h`` being ``ModelOutput.blocks[start - 1]``
         of some forward pass (FedMLB's hybrid paths); for modules whose ``__call__`` takes
         ``start`` (``registry.ModelEntry.num_blocks > 0``).
+      conv_impl: the convolutions the three functions trace with
+        (``fedjax_rcl.nn.conv.implementation``).
     """
 
     init: Callable[..., tuple[Any, ModelState]]
     apply: Callable[..., tuple[ModelOutput, ModelState]]
     module: nn.Module
     apply_from: Callable[..., ModelOutput] | None = None
+    conv_impl: str = "auto"
 
 
-@functools.partial(jax.jit, static_argnums=0)
-def _init_variables(module: nn.Module, key, sample):
-    """``module.init`` compiled once per process for equal modules (Flax modules are frozen
-    dataclasses, equal when their class and fields are): a run, its resume, evaluation and
-    each member of a grid build the same model, and would otherwise each compile its
-    initialiser again. The threefry layout set around the call is part of the jit key."""
-    return module.init(key, sample, train=False)
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _init_variables(module: nn.Module, conv_impl: str, key, sample):
+    """``module.init`` under ``conv_impl``'s convolutions, compiled once per process for each
+    equal module and ``conv_impl`` (Flax modules are frozen dataclasses, equal when their
+    class and fields are): a run, its resume, evaluation and each member of a grid build the
+    same model, and would otherwise each compile its initialiser again. The threefry layout
+    set around the call is part of the jit key."""
+    with conv.implementation(conv_impl):
+        return module.init(key, sample, train=False)
 
 
-def model_fns(module: nn.Module, *, partitionable_init: bool = False) -> ModelFns:
+def model_fns(module: nn.Module, *, conv_impl: str = "auto",
+              partitionable_init: bool = False) -> ModelFns:
     """Wraps a module whose ``__call__(x, *, train)`` returns a ``ModelOutput``.
 
+    ``conv_impl``: the convolutions (``fedjax_rcl.nn.conv.CONV_IMPLS``) its layers run,
+    chosen here, where the engine's programs trace the model: each function below traces the
+    module under ``nn.conv.implementation(conv_impl)``, so whatever jits it compiles them in.
     ``partitionable_init``: draw the initial weights with threefry's partitionable layout
     (JAX's default; the config's ``init_threefry_partitionable``), to start from the weights
     of a run recorded with it.
     """
+    conv.resolve_conv_impl(conv_impl)  # an unknown name fails here
 
     # Jitted: run eagerly, every layer's initialiser would compile on its own (seconds).
     try:
         hash(module)
-        jit_init = functools.partial(_init_variables, module)
+        jit_init = functools.partial(_init_variables, module, conv_impl)
     except TypeError:  # a module with an unhashable field: its own compiled initialiser
-        jit_init = jax.jit(lambda key, sample: module.init(key, sample, train=False))
+        jit_init = jax.jit(conv.under(
+            conv_impl, lambda key, sample: module.init(key, sample, train=False)))
 
     def init(key, sample):
         # Initial weights come from threefry's original, non-partitionable bit layout: the
@@ -121,16 +133,19 @@ def model_fns(module: nn.Module, *, partitionable_init: bool = False) -> ModelFn
     def apply(params, model_state, images, *, train: bool, rng=None):
         variables = {"params": params, **model_state}
         rngs = {"dropout": rng} if rng is not None else None
-        if train and model_state:
-            out, updates = module.apply(variables, images, train=True, rngs=rngs,
-                                        mutable=list(model_state))
-            return out, {**model_state, **updates}
-        return module.apply(variables, images, train=train, rngs=rngs), model_state
+        with conv.implementation(conv_impl):
+            if train and model_state:
+                out, updates = module.apply(variables, images, train=True, rngs=rngs,
+                                            mutable=list(model_state))
+                return out, {**model_state, **updates}
+            return module.apply(variables, images, train=train, rngs=rngs), model_state
 
     def apply_from(params, model_state, h, *, start: int):
-        return module.apply({"params": params, **model_state}, h, train=False, start=start)
+        with conv.implementation(conv_impl):
+            return module.apply({"params": params, **model_state}, h, train=False, start=start)
 
-    return ModelFns(init=init, apply=apply, module=module, apply_from=apply_from)
+    return ModelFns(init=init, apply=apply, module=module, apply_from=apply_from,
+                    conv_impl=conv_impl)
 
 
 # ``precision=`` of the config: the dtype local training computes in.

@@ -21,14 +21,12 @@ class SmallCNN(nn.Module):
 
     Attributes:
       num_classes: output classes.
-      conv_impl: ``"auto" | "cpu" | "patches" | "rows" | "native"`` (see ``fedjax_rcl.nn.conv``).
       projection_dim: output size of a MOON projection head on the embedding; None: no head.
       classify_projection: the classifier reads the projection head's output (MOON's
         ``ModelFedCon``) rather than the embedding.
     """
 
     num_classes: int
-    conv_impl: str = "auto"
     projection_dim: int | None = None
     classify_projection: bool = False
 
@@ -42,7 +40,7 @@ class SmallCNN(nn.Module):
         for i, width in enumerate((6, 16)):
             if i < start:
                 continue
-            x = torch_conv(x.shape[-1], width, 5, conv_impl=self.conv_impl, name=f"conv{i + 1}")(x)
+            x = torch_conv(x.shape[-1], width, 5, name=f"conv{i + 1}")(x)
             levels.append(x)
             x = max_pool(nn.relu(x), 2)
             blocks.append(x)
@@ -59,20 +57,14 @@ class SmallCNN(nn.Module):
                     classify_projection=self.classify_projection)
 
 
-def build(num_classes, *, conv_impl="auto", norm="group", width=None, projection_dim=None):
+def build(num_classes, *, norm="group", projection_dim=None):
     """The builder of ``model=cnn`` (registered by ``fedjax_rcl.models``)."""
-    if width is not None:
-        raise ValueError(f"width={width}: model=cnn has a fixed width")
     del norm  # no normalization layers; "group" is the config's default
-    return SmallCNN(num_classes, conv_impl=conv_impl, projection_dim=projection_dim)
+    return SmallCNN(num_classes, projection_dim=projection_dim)
 
 
-def build_fedcon(num_classes, *, conv_impl="auto", norm="group", width=None,
-                 projection_dim=None):
+def build_fedcon(num_classes, *, norm="group", projection_dim=None):
     """The builder of ``model=moon_cnn`` (registered by ``fedjax_rcl.models``): the CNN, a
     projection head and the classifier on the projection's output."""
-    if width is not None:
-        raise ValueError(f"width={width}: model=moon_cnn has a fixed width")
     del norm
-    return SmallCNN(num_classes, conv_impl=conv_impl, projection_dim=projection_dim or 256,
-                    classify_projection=True)
+    return SmallCNN(num_classes, projection_dim=projection_dim or 256, classify_projection=True)

@@ -32,12 +32,15 @@ upsampling cannot give back (``Autoencoder`` refuses odd sizes).
 
 from __future__ import annotations
 
+import functools
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
 from fedjax_rcl.models.base import ModelOutput
-from fedjax_rcl.models.resnet import BasicBlock, stage_widths
+from fedjax_rcl.models.parts import stages
+from fedjax_rcl.models.resnet import BasicBlock, resnet_stages
 from fedjax_rcl.nn.conv import torch_conv, torch_kernel_init
 from fedjax_rcl.nn.norm import Norm
 from fedjax_rcl.nn.pool import max_pool
@@ -58,7 +61,6 @@ class ClientModule(nn.Module):
     Attributes:
       norm: ``"twin"`` (MFCL's), ``"group"`` or ``"batch"``.
       group_size: channels per group for twin and group normalisation (32: 2 groups of 64).
-      conv_impl: ``"auto" | "cpu" | "patches" | "rows" | "native"`` (``fedjax_rcl.nn.conv``).
       channels: output channels of both convolutions (ResNet-18's 64).
       tn_variance: Twin Normalization's variance (``fedjax_rcl.nn.twin_norm``): ``"pooled"``
         (MFCL's Eq. 2) or ``"views"`` (its code listing).
@@ -66,7 +68,6 @@ class ClientModule(nn.Module):
 
     norm: str = "twin"
     group_size: int = 32
-    conv_impl: str = "auto"
     channels: int = 64
     tn_variance: str = "pooled"
 
@@ -77,7 +78,7 @@ class ClientModule(nn.Module):
         cin = x.shape[-1]
         for i in (1, 2):
             x = torch_conv(cin, self.channels, 3, padding=1, use_bias=False,
-                           conv_impl=self.conv_impl, name=f"conv{i}")(x)
+                           name=f"conv{i}")(x)
             x = nn.relu(Norm(self.norm, groups, self.tn_variance, name=f"norm{i}")(
                 x, train=train))
             cin = self.channels
@@ -92,15 +93,12 @@ class Decoder(nn.Module):
     Attributes:
       norm: as ``ClientModule.norm``.
       group_size: as ``ClientModule.group_size``.
-      conv_impl: for all three convolutions (the transposed one is written as a convolution
-        over the zero-upsampled input, see ``__call__``).
       out_channels: channels of the reconstructed image.
       tn_variance: as ``ClientModule.tn_variance``.
     """
 
     norm: str = "twin"
     group_size: int = 32
-    conv_impl: str = "auto"
     out_channels: int = 3
     tn_variance: str = "pooled"
 
@@ -113,20 +111,17 @@ class Decoder(nn.Module):
         # convolution over the input with zeros inserted between rows and columns (2h - 1 rows),
         # padded 1 before and 2 after: exactly 2h output rows. Written that way -- zeros
         # inserted up to 2h rows, then a padding-1 convolution -- it runs on the project's fast
-        # CPU convolutions (conv_impl) instead of XLA's native transposed convolution, whose
+        # CPU convolutions (nn.conv) instead of XLA's native transposed convolution, whose
         # gradients are slow on CPU (NOTES.md). The kernel is the transposed one's, flipped:
         # the same family of functions and the same init.
         n, h, w, _ = r.shape
         up = jnp.zeros((n, 2 * h, 2 * w, c), r.dtype).at[:, ::2, ::2, :].set(r)
-        y = torch_conv(c, c, 3, padding=1, use_bias=False, conv_impl=self.conv_impl,
-                       name="upconv")(up)
+        y = torch_conv(c, c, 3, padding=1, use_bias=False, name="upconv")(up)
         y = nn.relu(Norm(self.norm, groups, self.tn_variance, name="norm1")(y, train=train))
-        y = torch_conv(c, c, 3, padding=1, use_bias=False, conv_impl=self.conv_impl,
-                       name="conv")(y)
+        y = torch_conv(c, c, 3, padding=1, use_bias=False, name="conv")(y)
         y = nn.relu(Norm(self.norm, groups, self.tn_variance, name="norm2")(y, train=train))
         # No normalisation after the last layer, so it keeps its bias: the pixel logits.
-        return torch_conv(c, self.out_channels, 3, padding=1, conv_impl=self.conv_impl,
-                          name="out_conv")(y)
+        return torch_conv(c, self.out_channels, 3, padding=1, name="out_conv")(y)
 
 
 class Autoencoder(nn.Module):
@@ -135,13 +130,11 @@ class Autoencoder(nn.Module):
     Attributes:
       norm: as ``ClientModule.norm``.
       group_size: as ``ClientModule.group_size``.
-      conv_impl: as ``ClientModule.conv_impl``.
       tn_variance: as ``ClientModule.tn_variance``.
     """
 
     norm: str = "twin"
     group_size: int = 32
-    conv_impl: str = "auto"
     tn_variance: str = "pooled"
 
     @nn.compact
@@ -158,10 +151,10 @@ class Autoencoder(nn.Module):
         if h % 2 or w % 2:
             raise ValueError(f"mfcl_autoencoder needs even image sizes (the 2x2 max-pool drops an "
                              f"odd last row/column the decoder cannot restore); got {h}x{w}")
-        r = ClientModule(self.norm, self.group_size, self.conv_impl,
-                         tn_variance=self.tn_variance, name="client")(x, train=train)
-        logits = Decoder(self.norm, self.group_size, self.conv_impl, x.shape[-1],
-                         tn_variance=self.tn_variance, name="decoder")(r, train=train)
+        r = ClientModule(self.norm, self.group_size, tn_variance=self.tn_variance,
+                         name="client")(x, train=train)
+        logits = Decoder(self.norm, self.group_size, x.shape[-1], tn_variance=self.tn_variance,
+                         name="decoder")(r, train=train)
         pooled = r.mean(axis=(1, 2))
         return ModelOutput(logits=logits, features=(pooled,), embedding=pooled, projection=None)
 
@@ -175,21 +168,16 @@ class ServerNetwork(nn.Module):
     Attributes:
       width: first-stage channels (stages ``w, 2w, 4w, 8w``; 64: ResNet-18's). With a width
         other than the representation's 64 channels the first block projects its shortcut.
-      conv_impl: as ``ClientModule.conv_impl``.
     """
 
     width: int = 64
-    conv_impl: str = "auto"
 
     @nn.compact
     def __call__(self, r: jax.Array, *, train: bool) -> jax.Array:
-        x = r
-        for s, width in enumerate(stage_widths(self.width)):
-            for b in range(2):
-                stride = 2 if (s > 0 and b == 0) else 1
-                # BasicBlock returns its sum before the ReLU.
-                x = nn.relu(BasicBlock(width, stride, "batch", self.conv_impl,
-                                       name=f"stage{s + 1}_block{b + 1}")(x, train=train))
+        # BasicBlock returns its sum before the ReLU. The stages' levels go unused.
+        x = stages(r, resnet_stages((2, 2, 2, 2), self.width),
+                   functools.partial(BasicBlock, norm="batch"), train=train, levels=[],
+                   blocks=[], activation=nn.relu)
         return x.mean(axis=(1, 2))
 
 
@@ -225,26 +213,23 @@ class ServerModel(nn.Module):
     Attributes:
       width: as ``ServerNetwork.width``.
       projection_dim: the head's output size.
-      conv_impl: as ``ClientModule.conv_impl``.
     """
 
     width: int = 64
     projection_dim: int = 128
-    conv_impl: str = "auto"
 
     @nn.compact
     def __call__(self, r: jax.Array, *, train: bool) -> tuple[jax.Array, jax.Array]:
-        embedding = ServerNetwork(self.width, self.conv_impl, name="network")(r, train=train)
+        embedding = ServerNetwork(self.width, name="network")(r, train=train)
         z = MfclProjectionHead(features=self.projection_dim, name="head")(embedding,
                                                                           train=train)
         return embedding, z
 
 
-def build(num_classes, *, conv_impl="auto", norm="twin", width=None, projection_dim=None,
-          group_size=32, tn_variance="pooled"):
+def build(num_classes, *, norm="twin", projection_dim=None, group_size=32,
+          tn_variance="pooled"):
     """The builder of ``model=mfcl_autoencoder`` (registered by ``fedjax_rcl.models``;
     ``group_size`` and ``tn_variance`` from the ``mfcl`` section);
-    an autoencoder has no classes, width or projection head."""
-    del num_classes, width, projection_dim
-    return Autoencoder(norm=norm, group_size=group_size, conv_impl=conv_impl,
-                       tn_variance=tn_variance)
+    an autoencoder has no classes or projection head."""
+    del num_classes, projection_dim
+    return Autoencoder(norm=norm, group_size=group_size, tn_variance=tn_variance)

@@ -18,16 +18,20 @@ The depthwise convolutions run as shifted slices on CPU (``grouped_conv_general_
 
 from __future__ import annotations
 
+import functools
+
 import flax.linen as nn
 import jax
 
 from fedjax_rcl.models.base import ModelOutput
-from fedjax_rcl.models.parts import head, stem
+from fedjax_rcl.models.parts import Stage, head, stages, stem
 from fedjax_rcl.nn.conv import torch_conv
 from fedjax_rcl.nn.norm import Norm
 
-STAGES = ((1, 16, 1, 1), (2, 24, 2, 6), (3, 32, 2, 6), (4, 64, 2, 6), (3, 96, 1, 6),
-          (3, 160, 1, 6), (1, 320, 1, 6))
+# (output channels, blocks, first stride, (expansion,)) per stage.
+STAGES = (Stage(16, 1, 1, (1,)), Stage(24, 2, 2, (6,)), Stage(32, 3, 2, (6,)),
+          Stage(64, 4, 2, (6,)), Stage(96, 3, 1, (6,)), Stage(160, 3, 1, (6,)),
+          Stage(320, 1, 1, (6,)))
 
 
 class LinearBottleneck(nn.Module):
@@ -37,18 +41,17 @@ class LinearBottleneck(nn.Module):
     stride: int
     expansion: int
     norm: str = "group"
-    conv_impl: str = "auto"
 
     @nn.compact
     def __call__(self, x: jax.Array, *, train: bool) -> jax.Array:
         cin = x.shape[-1]
         hidden = cin * self.expansion
-        y = torch_conv(cin, hidden, 1, conv_impl=self.conv_impl, name="expand")(x)
+        y = torch_conv(cin, hidden, 1, name="expand")(x)
         y = nn.relu6(Norm(self.norm, name="norm1")(y, train=train))
         y = torch_conv(hidden, hidden, 3, stride=self.stride, padding=1, groups=hidden,
-                       conv_impl=self.conv_impl, name="depthwise")(y)
+                       name="depthwise")(y)
         y = nn.relu6(Norm(self.norm, name="norm2")(y, train=train))
-        y = torch_conv(hidden, self.features, 1, conv_impl=self.conv_impl, name="project")(y)
+        y = torch_conv(hidden, self.features, 1, name="project")(y)
         y = Norm(self.norm, name="norm3")(y, train=train)
         return x + y if self.stride == 1 and cin == self.features else y
 
@@ -58,7 +61,6 @@ class MobileNetV2(nn.Module):
 
     num_classes: int
     norm: str = "group"
-    conv_impl: str = "auto"
     projection_dim: int | None = None
 
     @nn.compact
@@ -67,26 +69,17 @@ class MobileNetV2(nn.Module):
         stem, then stages 1-6) on ``ModelOutput.blocks[k - 1]`` (FedMLB)."""
         levels, blocks = [], []
         if start == 0:
-            x = stem(x, 32, norm=self.norm, conv_impl=self.conv_impl, train=train,
-                     levels=levels, blocks=blocks, kernel_size=1, activation=nn.relu6)
-        for s, (repeats, out, stride, t) in enumerate(STAGES):
-            if s + 1 < start:
-                continue
-            for r in range(repeats):
-                x = LinearBottleneck(out, stride if r == 0 else 1, t, self.norm, self.conv_impl,
-                                     name=f"stage{s + 1}_block{r + 1}")(x, train=train)
-            if s + 1 < len(STAGES):  # stage 7 feeds the head directly, as the reference
-                levels.append(x)
-                blocks.append(x)
-        x = torch_conv(x.shape[-1], 1280, 1, conv_impl=self.conv_impl, name="head_conv")(x)
+            x = stem(x, 32, norm=self.norm, train=train, levels=levels, blocks=blocks,
+                     kernel_size=1, activation=nn.relu6)
+        # Stage 7 feeds the head directly, as the reference.
+        x = stages(x, STAGES, functools.partial(LinearBottleneck, norm=self.norm), train=train,
+                   levels=levels, blocks=blocks, start=start, feeds_head=True)
+        x = torch_conv(x.shape[-1], 1280, 1, name="head_conv")(x)
         x = nn.relu6(Norm(self.norm, name="head_norm")(x, train=train))
         return head(x.mean(axis=(1, 2)), levels, blocks, num_classes=self.num_classes,
                     projection_dim=self.projection_dim)
 
 
-def build(num_classes, *, conv_impl="auto", norm="group", width=None, projection_dim=None):
+def build(num_classes, *, norm="group", projection_dim=None):
     """The builder of ``model=mobilenet_v2`` (registered by ``fedjax_rcl.models``)."""
-    if width is not None:
-        raise ValueError(f"width={width}: model=mobilenet_v2 has a fixed width")
-    return MobileNetV2(num_classes, norm=norm, conv_impl=conv_impl,
-                       projection_dim=projection_dim)
+    return MobileNetV2(num_classes, norm=norm, projection_dim=projection_dim)

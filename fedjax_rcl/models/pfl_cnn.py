@@ -31,13 +31,11 @@ class PflCNN(nn.Module):
 
     Attributes:
       num_classes: output classes.
-      conv_impl: ``"auto" | "cpu" | "patches" | "rows" | "native"`` (see ``fedjax_rcl.nn.conv``).
       projection_dim: output size of a MOON projection head on the embedding; None: no head.
       dropout: the two dropout rates (after the pool, after the hidden dense layer).
     """
 
     num_classes: int
-    conv_impl: str = "auto"
     projection_dim: int | None = None
     dropout: tuple[float, float] = (0.25, 0.5)
 
@@ -50,7 +48,7 @@ class PflCNN(nn.Module):
         for i, width in enumerate((32, 64)):
             if i < start:
                 continue
-            x = torch_conv(x.shape[-1], width, 3, conv_impl=self.conv_impl, name=f"conv{i + 1}")(x)
+            x = torch_conv(x.shape[-1], width, 3, name=f"conv{i + 1}")(x)
             levels.append(x)
             x = nn.relu(x)
             if i == 1:
@@ -68,9 +66,7 @@ class PflCNN(nn.Module):
                     projection_dim=self.projection_dim, logits_from=dropped)
 
 
-def build(num_classes, *, conv_impl="auto", norm="group", width=None, projection_dim=None):
+def build(num_classes, *, norm="group", projection_dim=None):
     """The builder of ``model=pfl_cnn`` (registered by ``fedjax_rcl.models``)."""
-    if width is not None:
-        raise ValueError(f"width={width}: model=pfl_cnn has a fixed width")
     del norm  # no normalization layers; "group" is the config's default
-    return PflCNN(num_classes, conv_impl=conv_impl, projection_dim=projection_dim)
+    return PflCNN(num_classes, projection_dim=projection_dim)

@@ -19,11 +19,13 @@ normalization; FedRCL collapses it).
 
 from __future__ import annotations
 
+import functools
+
 import flax.linen as nn
 import jax
 
 from fedjax_rcl.models.base import ModelOutput
-from fedjax_rcl.models.parts import head, stem
+from fedjax_rcl.models.parts import Stage, head, stages, stem
 from fedjax_rcl.nn.conv import torch_conv
 from fedjax_rcl.nn.norm import Norm
 
@@ -34,20 +36,19 @@ class BasicBlock(nn.Module):
     features: int
     stride: int = 1
     norm: str = "group"
-    conv_impl: str = "auto"
 
     @nn.compact
     def __call__(self, x: jax.Array, *, train: bool) -> jax.Array:
         cin = x.shape[-1]
         y = torch_conv(cin, self.features, 3, stride=self.stride, padding=1, use_bias=False,
-                       conv_impl=self.conv_impl, name="conv1")(x)
+                       name="conv1")(x)
         y = Norm(self.norm, name="norm1")(y, train=train, relu=True)
         y = torch_conv(self.features, self.features, 3, padding=1, use_bias=False,
-                       conv_impl=self.conv_impl, name="conv2")(y)
+                       name="conv2")(y)
         y = Norm(self.norm, name="norm2")(y, train=train)
         if self.stride != 1 or cin != self.features:
             x = torch_conv(cin, self.features, 1, stride=self.stride, use_bias=False,
-                           conv_impl=self.conv_impl, name="shortcut_conv")(x)
+                           name="shortcut_conv")(x)
             x = Norm(self.norm, name="shortcut_norm")(x, train=train)
         return x + y
 
@@ -60,44 +61,54 @@ class Bottleneck(nn.Module):
     features: int  # the bottleneck width; the block outputs 4 * features channels
     stride: int = 1
     norm: str = "group"
-    conv_impl: str = "auto"
 
     @nn.compact
     def __call__(self, x: jax.Array, *, train: bool) -> jax.Array:
         cin, width, out = x.shape[-1], self.features, 4 * self.features
-        y = torch_conv(cin, width, 1, use_bias=False, conv_impl=self.conv_impl, name="conv1")(x)
+        y = torch_conv(cin, width, 1, use_bias=False, name="conv1")(x)
         y = Norm(self.norm, name="norm1")(y, train=train, relu=True)
         y = torch_conv(width, width, 3, stride=self.stride, padding=1, use_bias=False,
-                       conv_impl=self.conv_impl, name="conv2")(y)
+                       name="conv2")(y)
         y = Norm(self.norm, name="norm2")(y, train=train, relu=True)
-        y = torch_conv(width, out, 1, use_bias=False, conv_impl=self.conv_impl, name="conv3")(y)
+        y = torch_conv(width, out, 1, use_bias=False, name="conv3")(y)
         y = Norm(self.norm, name="norm3")(y, train=train)
         if self.stride != 1 or cin != out:
             x = torch_conv(cin, out, 1, stride=self.stride, use_bias=False,
-                           conv_impl=self.conv_impl, name="shortcut_conv")(x)
+                           name="shortcut_conv")(x)
             x = Norm(self.norm, name="shortcut_norm")(x, train=train)
         return x + y
 
 
+# Blocks per stage, and whether they are bottlenecks, of each depth.
+DEPTHS = {10: ((1, 1, 1, 1), False), 18: ((2, 2, 2, 2), False), 34: ((3, 4, 6, 3), False),
+          50: ((3, 4, 6, 3), True)}
+
+
+def resnet_stages(blocks_per_stage, width: int = 64) -> tuple[Stage, ...]:
+    """A CIFAR ResNet's stages of ``blocks_per_stage`` blocks: ``width`` channels doubling
+    from stage to stage (``w, 2w, 4w, 8w``), the first stage at stride 1 and each later one
+    halving the resolution."""
+    widths = [width * 2**s for s in range(len(blocks_per_stage))]
+    return tuple(Stage(w, n, 1 if s == 0 else 2)
+                 for s, (w, n) in enumerate(zip(widths, blocks_per_stage, strict=True)))
+
+
 class ResNet(nn.Module):
-    """CIFAR-stem ResNet with BasicBlocks.
+    """CIFAR-stem ResNet.
 
     Attributes:
       num_classes: output classes.
-      stage_sizes: blocks per stage, ``(2, 2, 2, 2)`` for ResNet-18, ``(3, 4, 6, 3)`` for 34.
-      widths: channels per stage.
+      stages: ``(channels, blocks, stride)`` per stage (``parts.Stage``; ``resnet_stages``):
+        ResNet-18's are ``(64, 2, 1), (128, 2, 2), (256, 2, 2), (512, 2, 2)``.
       norm: normalization kind (``fedjax_rcl.nn.norm.NORMS``).
-      conv_impl: ``"auto" | "cpu" | "patches" | "rows" | "native"``.
       projection_dim: output size of a MOON projection head on the embedding; None: no head.
-      bottleneck: ``Bottleneck`` blocks (ResNet-50: stage outputs ``4 x`` the widths) instead
-        of ``BasicBlock``.
+      bottleneck: ``Bottleneck`` blocks (ResNet-50: stage outputs ``4 x`` the channels)
+        instead of ``BasicBlock``.
     """
 
     num_classes: int
-    stage_sizes: tuple[int, ...] = (2, 2, 2, 2)
-    widths: tuple[int, ...] = (64, 128, 256, 512)
+    stages: tuple[Stage, ...] = resnet_stages((2, 2, 2, 2))
     norm: str = "group"
-    conv_impl: str = "auto"
     projection_dim: int | None = None
     bottleneck: bool = False
 
@@ -111,53 +122,43 @@ class ResNet(nn.Module):
         """
         levels, blocks = [], []
         if start == 0:
-            x = stem(x, self.widths[0], norm=self.norm, conv_impl=self.conv_impl, train=train,
-                     levels=levels, blocks=blocks, use_bias=False)
-        for s, (n_blocks, width) in enumerate(zip(self.stage_sizes, self.widths, strict=True)):
-            if s + 1 < start:  # stage s is block s + 1
-                continue
-            for b in range(n_blocks):
-                stride = 2 if (s > 0 and b == 0) else 1
-                block = Bottleneck if self.bottleneck else BasicBlock
-                x = block(width, stride, self.norm, self.conv_impl,
-                          name=f"stage{s + 1}_block{b + 1}")(x, train=train)
-                if b == n_blocks - 1:
-                    levels.append(x)
-                x = nn.relu(x)
-            blocks.append(x)
+            x = stem(x, self.stages[0][0], norm=self.norm, train=train, levels=levels,
+                     blocks=blocks, use_bias=False)
+        block = functools.partial(Bottleneck if self.bottleneck else BasicBlock, norm=self.norm)
+        x = stages(x, self.stages, block, train=train, levels=levels, blocks=blocks,
+                   start=start, activation=nn.relu)
         return head(x.mean(axis=(1, 2)), levels, blocks, num_classes=self.num_classes,
                     projection_dim=self.projection_dim)
 
 
-def stage_widths(width: int) -> tuple[int, ...]:
-    """The four stage widths of a CIFAR ResNet whose first stage has ``width`` channels."""
-    return (width, 2 * width, 4 * width, 8 * width)
+def resnet(num_classes: int, *, depth: int, width: int = 64, **kw) -> ResNet:
+    """The CIFAR ResNet of ``depth`` (``DEPTHS``) whose first stage has ``width`` channels."""
+    blocks_per_stage, bottleneck = DEPTHS[depth]
+    return ResNet(num_classes, stages=resnet_stages(blocks_per_stage, width),
+                  bottleneck=bottleneck, **kw)
 
 
 def resnet10(num_classes: int, *, width: int = 64, **kw) -> ResNet:
     """One BasicBlock per stage: ResNet-18's levels at about half its depth."""
-    return ResNet(num_classes, stage_sizes=(1, 1, 1, 1), widths=stage_widths(width), **kw)
+    return resnet(num_classes, depth=10, width=width, **kw)
 
 
 def resnet18(num_classes: int, *, width: int = 64, **kw) -> ResNet:
-    return ResNet(num_classes, stage_sizes=(2, 2, 2, 2), widths=stage_widths(width), **kw)
+    return resnet(num_classes, depth=18, width=width, **kw)
 
 
 def resnet34(num_classes: int, *, width: int = 64, **kw) -> ResNet:
-    return ResNet(num_classes, stage_sizes=(3, 4, 6, 3), widths=stage_widths(width), **kw)
+    return resnet(num_classes, depth=34, width=width, **kw)
 
 
 def resnet50(num_classes: int, *, width: int = 64, **kw) -> ResNet:
     """Bottleneck blocks (3, 4, 6, 3), stage outputs 256/512/1024/2048 at width 64 (MOON's
     backbone, with the CIFAR stem)."""
-    return ResNet(num_classes, stage_sizes=(3, 4, 6, 3), widths=stage_widths(width),
-                  bottleneck=True, **kw)
+    return resnet(num_classes, depth=50, width=width, **kw)
 
 
-def build(num_classes, *, depth: int, conv_impl="auto", norm="group", width=None,
-          projection_dim=None) -> ResNet:
+def build(num_classes, *, depth: int, norm="group", width=None, projection_dim=None) -> ResNet:
     """The builder of ``model=resnet10`` .. ``resnet50`` (``depth``) that ``fedjax_rcl.models``
     registers; ``width`` None: 64."""
-    make = {10: resnet10, 18: resnet18, 34: resnet34, 50: resnet50}[depth]
-    return make(num_classes, width=64 if width is None else width, norm=norm,
-                conv_impl=conv_impl, projection_dim=projection_dim)
+    return resnet(num_classes, depth=depth, width=64 if width is None else width, norm=norm,
+                  projection_dim=projection_dim)

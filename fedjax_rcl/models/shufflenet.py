@@ -19,17 +19,19 @@ after the ReLU). Blocks (FedMLB): the stem and the three stages, after their ReL
 
 from __future__ import annotations
 
+import functools
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
 from fedjax_rcl.models.base import ModelOutput
-from fedjax_rcl.models.parts import head, stem
+from fedjax_rcl.models.parts import Stage, head, stages, stem
 from fedjax_rcl.nn.conv import torch_conv
 from fedjax_rcl.nn.norm import Norm
 
 GROUPS = 3
-STAGES = ((4, 240), (8, 480), (4, 960))  # (units, output channels); each starts with stride 2
+STAGES = (Stage(240, 4, 2), Stage(480, 8, 2), Stage(960, 4, 2))
 
 
 def channel_shuffle(x: jax.Array, groups: int) -> jax.Array:
@@ -55,7 +57,6 @@ class ShuffleUnit(nn.Module):
     features: int
     stride: int
     norm: str = "group"
-    conv_impl: str = "auto"
 
     @nn.compact
     def __call__(self, x: jax.Array, *, train: bool) -> jax.Array:
@@ -63,13 +64,13 @@ class ShuffleUnit(nn.Module):
         mid = self.features // 4
         concat = self.stride != 1 or cin != self.features
         out = self.features - cin if concat else self.features
-        y = torch_conv(cin, mid, 1, groups=GROUPS, conv_impl=self.conv_impl, name="squeeze")(x)
+        y = torch_conv(cin, mid, 1, groups=GROUPS, name="squeeze")(x)
         y = nn.relu(Norm(self.norm, name="norm1")(y, train=train))
         y = channel_shuffle(y, GROUPS)
         y = torch_conv(mid, mid, 3, stride=self.stride, padding=1, groups=mid,
-                       conv_impl=self.conv_impl, name="depthwise")(y)
+                       name="depthwise")(y)
         y = Norm(self.norm, name="norm2")(y, train=train)
-        y = torch_conv(mid, out, 1, groups=GROUPS, conv_impl=self.conv_impl, name="expand")(y)
+        y = torch_conv(mid, out, 1, groups=GROUPS, name="expand")(y)
         y = Norm(self.norm, name="norm3")(y, train=train)
         if concat:
             return jnp.concatenate([avg_pool_3x3_s2(x), y], axis=-1)
@@ -81,7 +82,6 @@ class ShuffleNet(nn.Module):
 
     num_classes: int
     norm: str = "group"
-    conv_impl: str = "auto"
     projection_dim: int | None = None
 
     @nn.compact
@@ -90,24 +90,13 @@ class ShuffleNet(nn.Module):
         stem, then stages 1-3) on ``ModelOutput.blocks[k - 1]`` (FedMLB)."""
         levels, blocks = [], []
         if start == 0:
-            x = stem(x, 24, norm=self.norm, conv_impl=self.conv_impl, train=train,
-                     levels=levels, blocks=blocks)
-        for s, (units, out) in enumerate(STAGES):
-            if s + 1 < start:
-                continue
-            for u in range(units):
-                x = ShuffleUnit(out, 2 if u == 0 else 1, self.norm, self.conv_impl,
-                                name=f"stage{s + 1}_unit{u + 1}")(x, train=train)
-                if u == units - 1:
-                    levels.append(x)
-                x = nn.relu(x)
-            blocks.append(x)
+            x = stem(x, 24, norm=self.norm, train=train, levels=levels, blocks=blocks)
+        x = stages(x, STAGES, functools.partial(ShuffleUnit, norm=self.norm), train=train,
+                   levels=levels, blocks=blocks, start=start, activation=nn.relu, unit="unit")
         return head(x.mean(axis=(1, 2)), levels, blocks, num_classes=self.num_classes,
                     projection_dim=self.projection_dim)
 
 
-def build(num_classes, *, conv_impl="auto", norm="group", width=None, projection_dim=None):
+def build(num_classes, *, norm="group", projection_dim=None):
     """The builder of ``model=shufflenet`` (registered by ``fedjax_rcl.models``)."""
-    if width is not None:
-        raise ValueError(f"width={width}: model=shufflenet has a fixed width")
-    return ShuffleNet(num_classes, norm=norm, conv_impl=conv_impl, projection_dim=projection_dim)
+    return ShuffleNet(num_classes, norm=norm, projection_dim=projection_dim)

@@ -20,17 +20,19 @@ tensor to take). Blocks (FedMLB): the stem after its ReLU and the three stages.
 
 from __future__ import annotations
 
+import functools
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
 from fedjax_rcl.models.base import ModelOutput
-from fedjax_rcl.models.parts import head, stem
+from fedjax_rcl.models.parts import Stage, head, stages, stem
 from fedjax_rcl.models.shufflenet import channel_shuffle
 from fedjax_rcl.nn.conv import torch_conv
 from fedjax_rcl.nn.norm import Norm
 
-STAGES = ((4, 116), (8, 232), (4, 464))  # (units, output channels)
+STAGES = (Stage(116, 4, 2), Stage(232, 8, 2), Stage(464, 4, 2))
 
 
 class ShuffleUnitV2(nn.Module):
@@ -39,13 +41,12 @@ class ShuffleUnitV2(nn.Module):
     features: int
     stride: int
     norm: str = "group"
-    conv_impl: str = "auto"
 
     @nn.compact
     def __call__(self, x: jax.Array, *, train: bool) -> jax.Array:
         def conv(h, cout, k, name, stride=1, groups=1):
             h = torch_conv(h.shape[-1], cout, k, stride=stride, padding=k // 2, groups=groups,
-                           use_bias=False, conv_impl=self.conv_impl, name=f"{name}_conv")(h)
+                           use_bias=False, name=f"{name}_conv")(h)
             return Norm(self.norm, name=f"{name}_norm")(h, train=train)
 
         half = self.features // 2
@@ -69,7 +70,6 @@ class ShuffleNetV2(nn.Module):
 
     num_classes: int
     norm: str = "group"
-    conv_impl: str = "auto"
     projection_dim: int | None = None
 
     @nn.compact
@@ -78,26 +78,16 @@ class ShuffleNetV2(nn.Module):
         stem, then stages 1-3) on ``ModelOutput.blocks[k - 1]`` (FedMLB)."""
         levels, blocks = [], []
         if start == 0:
-            x = stem(x, 24, norm=self.norm, conv_impl=self.conv_impl, train=train,
-                     levels=levels, blocks=blocks, use_bias=False)
-        for s, (units, out) in enumerate(STAGES):
-            if s + 1 < start:
-                continue
-            for u in range(units):
-                x = ShuffleUnitV2(out, 2 if u == 0 else 1, self.norm, self.conv_impl,
-                                  name=f"stage{s + 1}_unit{u + 1}")(x, train=train)
-            levels.append(x)
-            blocks.append(x)
-        x = torch_conv(x.shape[-1], 1024, 1, use_bias=False, conv_impl=self.conv_impl,
-                       name="head_conv")(x)
+            x = stem(x, 24, norm=self.norm, train=train, levels=levels, blocks=blocks,
+                     use_bias=False)
+        x = stages(x, STAGES, functools.partial(ShuffleUnitV2, norm=self.norm), train=train,
+                   levels=levels, blocks=blocks, start=start, unit="unit")
+        x = torch_conv(x.shape[-1], 1024, 1, use_bias=False, name="head_conv")(x)
         x = nn.relu(Norm(self.norm, name="head_norm")(x, train=train))
         return head(x.mean(axis=(1, 2)), levels, blocks, num_classes=self.num_classes,
                     projection_dim=self.projection_dim)
 
 
-def build(num_classes, *, conv_impl="auto", norm="group", width=None, projection_dim=None):
+def build(num_classes, *, norm="group", projection_dim=None):
     """The builder of ``model=shufflenet_v2`` (registered by ``fedjax_rcl.models``)."""
-    if width is not None:
-        raise ValueError(f"width={width}: model=shufflenet_v2 has a fixed width")
-    return ShuffleNetV2(num_classes, norm=norm, conv_impl=conv_impl,
-                        projection_dim=projection_dim)
+    return ShuffleNetV2(num_classes, norm=norm, projection_dim=projection_dim)

@@ -40,13 +40,11 @@ class Fire(nn.Module):
     features: int
     squeeze: int
     norm: str = "group"
-    conv_impl: str = "auto"
 
     @nn.compact
     def __call__(self, x: jax.Array, *, train: bool) -> jax.Array:
         def conv_norm_relu(h, cout, k, name):
-            h = torch_conv(h.shape[-1], cout, k, padding=k // 2, conv_impl=self.conv_impl,
-                           name=f"{name}_conv")(h)
+            h = torch_conv(h.shape[-1], cout, k, padding=k // 2, name=f"{name}_conv")(h)
             return nn.relu(Norm(self.norm, name=f"{name}_norm")(h, train=train))
 
         s = conv_norm_relu(x, self.squeeze, 1, "squeeze")
@@ -60,7 +58,6 @@ class SqueezeNet(nn.Module):
 
     num_classes: int
     norm: str = "group"
-    conv_impl: str = "auto"
     projection_dim: int | None = None
 
     @nn.compact
@@ -69,12 +66,12 @@ class SqueezeNet(nn.Module):
         stem, then fire2-fire8) on ``ModelOutput.blocks[k - 1]`` (FedMLB)."""
         levels, blocks = [], []
         if start == 0:
-            x = stem(x, 96, norm=self.norm, conv_impl=self.conv_impl, train=train,
-                     levels=levels, blocks=blocks, pool=lambda h: max_pool(h, 2))
+            x = stem(x, 96, norm=self.norm, train=train, levels=levels, blocks=blocks,
+                     pool=lambda h: max_pool(h, 2))
         for i, (out, squeeze, bypass, pool) in enumerate(FIRES):
             if i + 1 < start:
                 continue
-            y = Fire(out, squeeze, self.norm, self.conv_impl, name=f"fire{i + 2}")(x, train=train)
+            y = Fire(out, squeeze, self.norm, name=f"fire{i + 2}")(x, train=train)
             x = y + x if bypass else y
             if pool:
                 x = max_pool(x, 2)
@@ -85,8 +82,6 @@ class SqueezeNet(nn.Module):
                     projection_dim=self.projection_dim)
 
 
-def build(num_classes, *, conv_impl="auto", norm="group", width=None, projection_dim=None):
+def build(num_classes, *, norm="group", projection_dim=None):
     """The builder of ``model=squeezenet`` (registered by ``fedjax_rcl.models``)."""
-    if width is not None:
-        raise ValueError(f"width={width}: model=squeezenet has a fixed width")
-    return SqueezeNet(num_classes, norm=norm, conv_impl=conv_impl, projection_dim=projection_dim)
+    return SqueezeNet(num_classes, norm=norm, projection_dim=projection_dim)

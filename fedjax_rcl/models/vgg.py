@@ -43,13 +43,11 @@ class VGG9(nn.Module):
     Attributes:
       num_classes: output classes.
       norm: normalisation kind (``fedjax_rcl.nn.norm.NORMS``).
-      conv_impl: ``"auto" | "cpu" | "patches" | "rows" | "native"``.
       projection_dim: output size of a MOON projection head on the embedding; None: no head.
     """
 
     num_classes: int
     norm: str = "group"
-    conv_impl: str = "auto"
     projection_dim: int | None = None
 
     @nn.compact
@@ -61,7 +59,7 @@ class VGG9(nn.Module):
             if i < start:
                 continue
             x = torch_conv(x.shape[-1], width, 3, padding=1, kernel_init=he_fan_out,
-                           conv_impl=self.conv_impl, name=f"conv{i + 1}")(x)
+                           name=f"conv{i + 1}")(x)
             x = Norm(self.norm, name=f"norm{i + 1}")(x, train=train)
             levels.append(x)
             x = nn.relu(x)
@@ -75,8 +73,6 @@ class VGG9(nn.Module):
                     projection_dim=self.projection_dim)
 
 
-def build(num_classes, *, conv_impl="auto", norm="group", width=None, projection_dim=None):
+def build(num_classes, *, norm="group", projection_dim=None):
     """The builder of ``model=vgg9`` (registered by ``fedjax_rcl.models``)."""
-    if width is not None:
-        raise ValueError(f"width={width}: model=vgg9 has a fixed width")
-    return VGG9(num_classes, norm=norm, conv_impl=conv_impl, projection_dim=projection_dim)
+    return VGG9(num_classes, norm=norm, projection_dim=projection_dim)

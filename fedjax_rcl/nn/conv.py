@@ -20,14 +20,23 @@ times slower per client (BENCHMARKS.md). On CPU (``"cpu"``, the default there):
 On GPU/TPU the native convolution is the right choice for one model at a time; with clients
 side by side on a GPU (per-client weights under ``vmap``) the patch formulation is
 (``resolve_conv_impl``, which ``conv_impl="auto"`` uses, picks by platform and layout).
+
+Which one runs is not a property of the model: every convolution layer (``torch_conv``) calls
+``conv_general_dilated``, which reads the implementation in force while it is traced
+(``implementation``, a context the engine sets around each program it traces:
+``fedjax_rcl.models.model_fns``) and picks the function per convolution (``choose``: by its
+shape, groups and operand type). The compiled program bakes the choice in; the same model and
+parameters serve evaluation with one implementation and local training with another.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import math
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import flax.linen as nn
 import jax
@@ -386,13 +395,8 @@ def cpu_conv_general_dilated(lhs, rhs, window_strides, padding, *args, **kwargs)
     """The fastest convolution on CPU: oneDNN's direct kernels when the extension is available
     (``onednn.available()``) for the operands' type (``onednn.supports``: float32, and
     bfloat16 / float16 on CPUs with those instructions), else per layer the row
-    (``prefers_rows``) or patch convolution."""
-    if lhs.dtype == rhs.dtype and onednn_usable() and onednn.supports(lhs.dtype):
-        impl = onednn_conv_general_dilated
-    elif prefers_rows(lhs.shape, rhs.shape, window_strides, padding):
-        impl = row_conv_general_dilated
-    else:
-        impl = patch_conv_general_dilated
+    (``prefers_rows``) or patch convolution (``choose``)."""
+    impl = _per_shape("cpu", lhs, rhs, window_strides, padding)
     return impl(lhs, rhs, window_strides, padding, *args, **kwargs)
 
 
@@ -443,8 +447,89 @@ _CONV_FNS = {
 }
 
 
-def _conv_fn(conv_impl: str):
-    return _CONV_FNS[resolve_conv_impl(conv_impl)]
+def _per_shape(name: str, lhs, rhs, window_strides, padding,
+               feature_group_count: int = 1) -> Callable:
+    """The function that runs one convolution under the resolved implementation ``name``.
+
+    The per-shape rules live here and only here: ``native`` runs XLA's convolution for every
+    layer; otherwise grouped and depthwise convolutions run ``grouped_conv_general_dilated``
+    (the formulations above are dense only); ``cpu`` takes oneDNN for the operand types it
+    supports, else rows for narrow inputs (``prefers_rows``), else patches.
+    """
+    if name == "native":
+        return lax.conv_general_dilated
+    if feature_group_count > 1:
+        return grouped_conv_general_dilated
+    if name != "cpu":
+        return _CONV_FNS[name]
+    if lhs.dtype == rhs.dtype and onednn_usable() and onednn.supports(lhs.dtype):
+        return onednn_conv_general_dilated
+    if prefers_rows(lhs.shape, rhs.shape, window_strides, padding):
+        return row_conv_general_dilated
+    return patch_conv_general_dilated
+
+
+def choose(conv_impl: str, lhs, rhs, window_strides, padding,
+           feature_group_count: int = 1) -> Callable:
+    """The function (a drop-in for ``lax.conv_general_dilated``) that ``conv_impl`` runs a
+    convolution of operands ``lhs`` (NHWC) and ``rhs`` (HWIO) with: ``conv_impl`` resolved
+    for this platform (``resolve_conv_impl``), then by the convolution's shape
+    (``_per_shape``)."""
+    return _per_shape(resolve_conv_impl(conv_impl), lhs, rhs, window_strides, padding,
+                      feature_group_count)
+
+
+_IMPLEMENTATION: contextvars.ContextVar[str] = contextvars.ContextVar("conv_impl",
+                                                                      default="auto")
+
+
+@contextlib.contextmanager
+def implementation(conv_impl: str) -> Iterator[None]:
+    """The convolutions (``CONV_IMPLS``) that every ``conv_general_dilated`` traced inside
+    runs; outside any, ``"auto"``.
+
+    Read when a convolution is traced, not when it runs: set it inside the function that is
+    traced (``under``), or around a trace that cannot have been cached under another setting.
+    Scopes nest; the innermost holds.
+    """
+    resolve_conv_impl(conv_impl)  # an unknown name fails here, not at the first convolution
+    token = _IMPLEMENTATION.set(conv_impl)
+    try:
+        yield
+    finally:
+        _IMPLEMENTATION.reset(token)
+
+
+def current_implementation() -> str:
+    """The ``conv_impl`` in force (``implementation``)."""
+    return _IMPLEMENTATION.get()
+
+
+def under(conv_impl: str, fn: Callable) -> Callable:
+    """``fn`` with each call -- so each trace of it, whatever the caller's jit cache holds --
+    under ``implementation(conv_impl)``."""
+
+    @functools.wraps(fn)
+    def scoped(*args, **kwargs):
+        with implementation(conv_impl):
+            return fn(*args, **kwargs)
+
+    return scoped
+
+
+def conv_general_dilated(lhs, rhs, window_strides, padding, lhs_dilation=None,
+                         rhs_dilation=None, dimension_numbers=None,
+                         feature_group_count: int = 1, batch_group_count: int = 1,
+                         precision=None, preferred_element_type=None) -> jax.Array:
+    """The convolution of every layer here (``torch_conv``): ``lax.conv_general_dilated``'s
+    arguments and result, computed by the function ``choose`` picks for the implementation in
+    force (``implementation``) and this convolution's shape."""
+    fn = choose(current_implementation(), lhs, rhs, window_strides, padding,
+                feature_group_count)
+    return fn(lhs, rhs, window_strides, padding, lhs_dilation=lhs_dilation,
+              rhs_dilation=rhs_dilation, dimension_numbers=dimension_numbers,
+              feature_group_count=feature_group_count, batch_group_count=batch_group_count,
+              precision=precision, preferred_element_type=preferred_element_type)
 
 
 def _nhwc_hwio(lhs, rhs, dimension_numbers) -> bool:
@@ -524,20 +609,17 @@ def torch_conv(
     padding: int = 0,
     use_bias: bool = True,
     groups: int = 1,
-    conv_impl: str = "auto",
     kernel_init=None,
     name: str | None = None,
 ) -> nn.Conv:
     """A Flax ``Conv`` that behaves like ``torch.nn.Conv2d``: symmetric padding, PyTorch init.
 
     Flax's ``'SAME'`` pads a stride-2 3x3 convolution (0, 1); PyTorch's ``padding=1`` pads (1, 1).
-    The explicit pair keeps the two identical. ``groups > 1`` (grouped and depthwise
-    convolutions) runs ``grouped_conv_general_dilated`` unless ``conv_impl`` resolves to
-    ``native``; ``kernel_init`` overrides PyTorch's default initialisation.
+    The explicit pair keeps the two identical. It computes with ``conv_general_dilated``: the
+    implementation in force when it is traced (``implementation``); ``groups > 1`` gives
+    grouped and depthwise convolutions. ``kernel_init`` overrides PyTorch's default
+    initialisation.
     """
-    fn = _conv_fn(conv_impl)
-    if groups > 1 and fn is not lax.conv_general_dilated:
-        fn = grouped_conv_general_dilated
     return nn.Conv(
         features,
         (kernel_size, kernel_size),
@@ -547,7 +629,7 @@ def torch_conv(
         feature_group_count=groups,
         kernel_init=kernel_init or torch_kernel_init,
         bias_init=torch_bias_init(in_features // groups * kernel_size * kernel_size),
-        conv_general_dilated=fn,
+        conv_general_dilated=conv_general_dilated,
         name=name,
     )
 
@@ -564,8 +646,12 @@ def torch_dense(in_features: int, features: int, *, name: str | None = None) -> 
 
 __all__ = [
     "CONV_IMPLS",
+    "choose",
+    "conv_general_dilated",
     "cpu_conv_general_dilated",
+    "current_implementation",
     "grouped_conv_general_dilated",
+    "implementation",
     "onednn_conv_general_dilated",
     "patch_conv_general_dilated",
     "prefers_rows",
@@ -575,4 +661,5 @@ __all__ = [
     "torch_conv",
     "torch_dense",
     "torch_kernel_init",
+    "under",
 ]
