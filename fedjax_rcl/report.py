@@ -60,7 +60,10 @@ class ReportError(ValueError):
 
 
 @dataclasses.dataclass
-class Run:
+class RunRecord:
+    """What a report reads of one run directory: its flat config, its metrics lines and its
+    per-client lines (``clients.jsonl``)."""
+
     path: Path
     config: dict  # flat
     rows: list[dict]
@@ -129,13 +132,13 @@ def _result_keys(config: dict) -> dict:
     return out
 
 
-def load_runs(path: str | Path) -> list[Run]:
+def read_runs(path: str | Path) -> list[RunRecord]:
     """A run directory's run, or a grid's member runs (``RunDir.members``)."""
     members = RunDir(path).members()
-    return [load_run(m.path) for m in members] if members else [load_run(path)]
+    return [read_run(m.path) for m in members] if members else [read_run(path)]
 
 
-def load_run(path: str | Path) -> Run:
+def read_run(path: str | Path) -> RunRecord:
     """A run directory's config and its complete metrics and per-client lines (a torn last
     line is skipped, as every reader of a run does: ``rundir.read_jsonl``)."""
     run = RunDir(path)
@@ -146,7 +149,7 @@ def load_run(path: str | Path) -> Run:
         config = _result_keys(flat_keys(yaml.safe_load(run.config.read_text()) or {}))
     except yaml.YAMLError as e:
         raise ReportError(f"{run.path}: unreadable {run.config.name} ({e})") from None
-    return Run(run.path, config, run.read_metrics(), run.read_clients())
+    return RunRecord(run.path, config, run.read_metrics(), run.read_clients())
 
 
 def _method_key(key: str, config: dict) -> bool:
@@ -164,7 +167,7 @@ VARIANTS = {"fedrcl": ("fedrcl.mining", {"hard": "released hard-mined loss",
                                           "none": "paper's equations"})}
 
 
-def _variant(run: Run) -> str:
+def _variant(run: RunRecord) -> str:
     """`` (released hard-mined loss)`` and the like for an algorithm with variants."""
     key, names = VARIANTS.get(str(run.config.get("algorithm")), (None, {}))
     value = run.config.get(key) if key else None
@@ -176,7 +179,7 @@ def _variant(run: Run) -> str:
     return f" ({names.get(value, f'{short}={value}')})"
 
 
-def _label(run: Run, keys: Sequence[str]) -> str:
+def _label(run: RunRecord, keys: Sequence[str]) -> str:
     parts = []
     for k in keys:
         v = run.config.get(k)
@@ -205,7 +208,7 @@ def _split(config: dict) -> str | None:
     return None
 
 
-def describe(runs: Sequence[Run]) -> str:
+def describe(runs: Sequence[RunRecord]) -> str:
     """What a group of runs has in common, as titles and column heads name it: the split
     (alpha or IID), the number of clients and the seeds, as far as their configs say."""
     parts = []
@@ -249,7 +252,7 @@ def _applies(key: str, config: dict) -> bool:
     return key in config and (kind is None or config.get("partition", "dirichlet") == kind)
 
 
-def group(runs: Sequence[Run]) -> tuple[list[str], list[str], dict]:
+def group(runs: Sequence[RunRecord]) -> tuple[list[str], list[str], dict]:
     """``(methods, settings, cells)``: labels in first-seen order, ``cells[(m, s)]`` runs (the
     seeds of one method and setting share a cell)."""
     keys = sorted({k for r in runs for k in r.config} - _ignored() - _replicate_keys())
@@ -295,12 +298,12 @@ def _pm(values: Sequence[float], sign: str = "") -> str:
 OTHER_CADENCE = "†"
 
 
-def _mark(hit: Sequence[Run], r: int) -> str:
+def _mark(hit: Sequence[RunRecord], r: int) -> str:
     return OTHER_CADENCE if any(x.ema_at(r) is not None and x.cadence_to(r) > 1
                                 for x in hit) else ""
 
 
-def _cell(hit: Sequence[Run], r: int) -> str:
+def _cell(hit: Sequence[RunRecord], r: int) -> str:
     """One run: ``ema (best)``; several seeds: ``mean ± sd (best mean ± sd; n)`` over those
     that reached round ``r``; ``†`` when one was not evaluated every round."""
     vals = [(x.ema_at(r), x.best_to(r)) for x in hit]
@@ -318,7 +321,7 @@ def _cell(hit: Sequence[Run], r: int) -> str:
 _WINDOWS = RECENT_WINDOWS
 
 
-def _raw_cell(hit: Sequence[Run], r: int) -> str:
+def _raw_cell(hit: Sequence[RunRecord], r: int) -> str:
     """The mean raw accuracy of the last 10 rounds (in brackets the last 50) at round ``r``;
     several seeds: mean ± sd over them, and n."""
     vals = [[x.recent_at(r, w) for w in _WINDOWS] for x in hit]
@@ -329,7 +332,7 @@ def _raw_cell(hit: Sequence[Run], r: int) -> str:
     return f"{short} ({long}" + (f"; n={len(reached)})" if len(hit) > 1 else ")")
 
 
-def _cadence_note(runs: Sequence[Run], at: Sequence[int]) -> str:
+def _cadence_note(runs: Sequence[RunRecord], at: Sequence[int]) -> str:
     """The footnote of ``†``: which runs were evaluated at another cadence and what their EMA
     is, so that no one compares it with a per-round EMA such as the paper's."""
     odd = {}
@@ -352,15 +355,16 @@ def _cadence_note(runs: Sequence[Run], at: Sequence[int]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _seed(run: Run):
+def _seed(run: RunRecord):
     return run.config.get("seed")
 
 
-def _accuracies(run: Run, first: int, last: int) -> dict[int, float]:
+def _accuracies(run: RunRecord, first: int, last: int) -> dict[int, float]:
     return {x["round"]: x["test_accuracy"] for x in run.rows if first <= x["round"] <= last}
 
 
-def within_run(run: Run, base: Run, r: int, window: int) -> tuple[int, int, float] | None:
+def within_run(run: RunRecord, base: RunRecord, r: int,
+               window: int) -> tuple[int, int, float] | None:
     """Rounds ``r - window + 1 .. r`` evaluated in both runs: ``(k, n, mean)``, the number
     ``k`` of the ``n`` rounds in which ``run``'s raw test accuracy is above ``base``'s and
     the mean raw difference over them (None: no round in common, or ``r`` not reached). Raw
@@ -375,7 +379,7 @@ def within_run(run: Run, base: Run, r: int, window: int) -> tuple[int, int, floa
     return sum(x > 0 for x in d), len(d), sum(d) / len(d)
 
 
-def paired(runs: Sequence[Run], baseline: str, at: Sequence[int], window: int = 25) -> str:
+def paired(runs: Sequence[RunRecord], baseline: str, at: Sequence[int], window: int = 25) -> str:
     """Each method's paired difference from ``baseline`` (a method label), seed by seed:
     ``mean ± sd (n)`` of ``EMA(method, seed) - EMA(baseline, seed)`` at each round of ``at``,
     over the seeds both reached it with; then the within-run statistic over the ``window``
@@ -429,14 +433,14 @@ def paired(runs: Sequence[Run], baseline: str, at: Sequence[int], window: int = 
     return "\n".join(lines)
 
 
-def wall_seconds(run: Run, r: int) -> float | None:
+def wall_seconds(run: RunRecord, r: int) -> float | None:
     """The wall-clock seconds the run took to round ``r``, training and evaluation (its
     records' ``total_s``, which adds up across resumes; None: not recorded or not reached)."""
     hit = [x for x in run.rows if x["round"] == r]
     return float(hit[0]["total_s"]) if hit and "total_s" in hit[0] else None
 
 
-def rows(runs: Sequence[Run], at: Sequence[int]) -> list[dict]:
+def rows(runs: Sequence[RunRecord], at: Sequence[int]) -> list[dict]:
     """The tables as data: one row per method, setting and reported round, each figure over
     the seeds that reached the round (mean, sd, n), and the wall-clock seconds to that round."""
     methods, settings, cells = group(runs)
@@ -479,7 +483,7 @@ def write_data(rows_: list[dict], out: Path) -> list[Path]:
     return [out / "report.csv", out / "report.json"]
 
 
-def _wall(hit: Sequence[Run], r: int) -> str:
+def _wall(hit: Sequence[RunRecord], r: int) -> str:
     got = [v for v in (wall_seconds(x, r) for x in hit) if v is not None]
     if not got:
         return "—"
@@ -487,7 +491,7 @@ def _wall(hit: Sequence[Run], r: int) -> str:
     return f"{mean / 60:.1f} min"
 
 
-def _seeds_note(runs: Sequence[Run], at: Sequence[int]) -> str:
+def _seeds_note(runs: Sequence[RunRecord], at: Sequence[int]) -> str:
     """A visible note when a comparison rests on fewer than three seeds."""
     _, _, cells = group(runs)
     few = sorted({len([x for x in hit if x.ema_at(r) is not None])
@@ -507,7 +511,7 @@ def _grid(methods, settings, cells, cell, r: int) -> list[str]:
     return lines
 
 
-def table(runs: Sequence[Run], at: Sequence[int]) -> str:
+def table(runs: Sequence[RunRecord], at: Sequence[int]) -> str:
     methods, settings, cells = group(runs)
     lines = []
     several = any(len(hit) > 1 for hit in cells.values())
@@ -546,7 +550,7 @@ _ANALYSIS = (("effective_rank", "effective rank"), ("vci", "VCI"),
              ("spread_share", "spread share"))
 
 
-def analysis_table(runs: Sequence[Run], at: Sequence[int]) -> str:
+def analysis_table(runs: Sequence[RunRecord], at: Sequence[int]) -> str:
     """The representation analysis at the reported rounds that were analysed: one row per run
     and round, each measure of the global model with the local model's in brackets (empty when
     no run was analysed at those rounds)."""
@@ -583,7 +587,7 @@ CONVERGENCE_CAPTION = (
     "deviation over the seeds (n in the legend)")
 
 
-def _plots(runs: Sequence[Run], out: Path) -> list[Path]:
+def _plots(runs: Sequence[RunRecord], out: Path) -> list[Path]:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -694,7 +698,7 @@ def _plots(runs: Sequence[Run], out: Path) -> list[Path]:
 _SWEPT = ("fedrcl", "fedscl")
 
 
-def _beta_sweep(runs: Sequence[Run]) -> dict[str, dict[float, list[tuple[float, float]]]]:
+def _beta_sweep(runs: Sequence[RunRecord]) -> dict[str, dict[float, list[tuple[float, float]]]]:
     """``{setting: {beta: [(final EMA, mean raw accuracy of the last 10 rounds), ...]}}`` (one
     pair per seed) when the FedRCL runs among ``runs`` differ in ``fedrcl.beta`` and in no other
     FedRCL setting; the other methods' runs do not stop it."""
@@ -724,7 +728,7 @@ def _spread(values: list[float]) -> str:
     return f"{v.mean():.3f} ± {v.std():.3f} [{v.min():.3f}, {v.max():.3f}]"
 
 
-def client_spread(runs: Sequence[Run], r: int, window: int = 10) -> str:
+def client_spread(runs: Sequence[RunRecord], r: int, window: int = 10) -> str:
     """The spread over clients at round ``r``, for runs with per-client metrics: over the
     clients sampled in rounds ``r - window + 1 .. r``, the mean ± sd [min, max] of their local
     loss and of their accuracy on their own data before and after local training."""
@@ -754,7 +758,7 @@ def report(run_dirs: Sequence[str | Path], out: str | Path, at: Sequence[int] = 
         raise ReportError(f"--window {window}: must be a number of rounds >= 1")
     if any(r < 1 for r in at):
         raise ReportError(f"--at {' '.join(map(str, at))}: rounds are numbered from 1")
-    runs = [run for p in run_dirs for run in load_runs(p)]
+    runs = [run for p in run_dirs for run in read_runs(p)]
     if not runs:
         raise ReportError("no run directories given")
     if not at:

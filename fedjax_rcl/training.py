@@ -4,7 +4,7 @@ shared run loop (``fedjax_rcl.loop``).
 The rounds between two evaluations are one call of one compiled executable (``compile``);
 each evaluation appends a line to ``metrics.jsonl`` as it finishes; checkpoints are saved
 synchronously on evaluation boundaries; an accuracy plot is drawn at the end. ``train`` starts
-a run, ``resume`` continues one from its newest complete checkpoint, ``load_run`` /
+a run, ``resume_single`` continues one from its newest complete checkpoint, ``restore_run`` /
 ``evaluate_run`` read one back.
 """
 
@@ -54,8 +54,9 @@ from fedjax_rcl.validation import ConfigError
 
 __all__ = ["CompiledRounds", "TrainingError", "check_finite",
            "checkpoint_meta", "checkpoint_tree", "compile_analysis", "compile_program",
-           "continue_run", "cut_back", "evaluate_run", "load_run", "plot_run", "prior_seconds",
-           "progress_line", "resume", "rounds_stage", "state_from_checkpoint", "train"]
+           "continue_run", "cut_back", "evaluate_run", "plot_run", "prior_seconds",
+           "progress_line", "restore_run", "resume_single", "rounds_stage",
+           "state_from_checkpoint", "train"]
 
 def check_finite(metrics: dict, first_round: int, n: int) -> None:
     losses = np.asarray(metrics["client_loss"][:n])
@@ -370,7 +371,7 @@ def train(cfg: CoreConfig, *, dataset: ImageDataset | None = None, progress: boo
                     callbacks=callbacks)
 
 
-def resume(run_dir: str | Path, overrides=(), *, force: bool = False,
+def resume_single(run_dir: str | Path, overrides=(), *, force: bool = False,
            dataset: ImageDataset | None = None, progress: bool = True,
            log: Callable[[str], None] = print, command: str | None = None,
            callbacks: tuple[Callback, ...] = ()) -> dict:
@@ -392,7 +393,7 @@ def continue_run(run_dir: Path, cfg: CoreConfig, *, force: bool = False,
                  dataset: ImageDataset | None = None, progress: bool = True,
                  log: Callable[[str], None] = print, command: str | None = None,
                  callbacks: tuple[Callback, ...] = ()) -> dict:
-    """``resume`` with the config already read and checked (``loop.resume_config``)."""
+    """``resume_single`` with the config already read and checked (``loop.resume_config``)."""
     require_command(cfg, "train", lambda runs_with: (
         f"run_dir={str(run_dir)!r}: a 'fedjax-rcl {runs_with}' run; continue it with "
         f"'fedjax-rcl resume {run_dir}'"))
@@ -436,7 +437,7 @@ def _resume_locked(run_dir: Path, cfg: CoreConfig, *, force: bool,
                 progress=progress, log=log, callbacks=callbacks)
 
 
-def load_run(run_dir: str | Path, *, dataset: ImageDataset | None = None, warn=None):
+def restore_run(run_dir: str | Path, *, dataset: ImageDataset | None = None, warn=None):
     """A run's experiment and its newest complete checkpoint that restores (damaged newer
     ones are skipped: ``warn(message)`` for each, default a logged warning; they are listed
     in ``restored.skipped``).
@@ -471,7 +472,7 @@ def evaluate_run(run_dir: str | Path, *, dataset: ImageDataset | None = None,
     Raises:
       ConfigError: ``strict`` and the newest checkpoint is damaged (nothing is evaluated).
     """
-    exp, restored = load_run(run_dir, dataset=dataset, warn=lambda message: None)
+    exp, restored = restore_run(run_dir, dataset=dataset, warn=lambda message: None)
     if restored.skipped and strict:
         newest, reason = restored.skipped[0]
         raise ConfigError([f"eval --strict: the newest checkpoint of {run_dir} (round {newest}) "

@@ -13,7 +13,7 @@ import pytest
 
 from fedjax_rcl.cli import main
 from fedjax_rcl.config import ConfigError, load_config
-from fedjax_rcl.training import evaluate_run, load_run, resume, train
+from fedjax_rcl.training import evaluate_run, restore_run, resume_single, train
 
 # Small and fast: 10 digits clients, 2 per round, one local epoch.
 TINY = ["dataset=digits", "num_clients=10", "participation=0.2", "local_epochs=1",
@@ -29,7 +29,7 @@ def _metrics(run_dir):
 
 
 def _final_state(run_dir):
-    return load_run(run_dir)[1]
+    return restore_run(run_dir)[1]
 
 
 def _assert_same_state(a, b):
@@ -51,7 +51,7 @@ def test_stop_and_resume_is_identical(reference, tmp_path):
     train(load_config(None, [*TINY, "rounds=3", "checkpoint_every=2", f"run_dir={run}"]),
           progress=False, log=lambda s: None)
     assert [r["round"] for r in _metrics(run)] == [1, 2, 3]
-    resume(run, ["rounds=6"], progress=False, log=lambda s: None)
+    resume_single(run, ["rounds=6"], progress=False, log=lambda s: None)
     assert _metrics(run) == _metrics(reference)
     # Timing: per-round wall time, and loop time that keeps adding up across the resume
     # (the first process ended with round 3's checkpoint; rounds 4-6 ran in the second).
@@ -69,7 +69,7 @@ def test_resume_refuses_result_changing_overrides(reference, tmp_path, capsys):
     run = tmp_path / "copy"
     shutil.copytree(reference, run)
     with pytest.raises(ConfigError, match="lr, seed"):
-        resume(run, ["lr=0.5", "seed=3", "rounds=8"], progress=False, log=lambda s: None)
+        resume_single(run, ["lr=0.5", "seed=3", "rounds=8"], progress=False, log=lambda s: None)
     assert main(["resume", str(run), "alpha=0.9"]) == 2
     err = capsys.readouterr().err
     assert "alpha" in err and "--force" in err and len(err.strip().splitlines()) == 1
@@ -89,7 +89,7 @@ def test_damaged_latest_checkpoint_falls_back_with_a_warning(reference, tmp_path
     assert restored.step == 4
     assert any("damaged" in r.message for r in caplog.records)
     # Resuming from round 4 reproduces the uninterrupted result.
-    resume(run, [], progress=False, log=lambda s: None)
+    resume_single(run, [], progress=False, log=lambda s: None)
     assert _metrics(run) == _metrics(reference)
     _assert_same_state(_final_state(run), _final_state(reference))
 
@@ -138,7 +138,7 @@ def test_host_memory_client_states_match_device_and_resume_exactly(tmp_path):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-6)
     train(load_config(None, [*base, "client_states=host", "rounds=2", f"run_dir={cut}"]),
           **quiet)
-    resume(cut, ["rounds=4"], **quiet)
+    resume_single(cut, ["rounds=4"], **quiet)
     assert _metrics(cut) == _metrics(host)
     _assert_same_state(_final_state(cut), host_state)
 

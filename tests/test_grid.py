@@ -11,7 +11,7 @@ import pytest
 
 import fedjax_rcl
 from fedjax_rcl.cli import main
-from fedjax_rcl.training import load_run
+from fedjax_rcl.training import restore_run
 
 # Uneven Dirichlet clients (different sizes per seed, so members are padded to one shape).
 GRID = ["algorithm=fedavg", "num_clients=5", "participation=0.6", "local_epochs=1",
@@ -24,12 +24,12 @@ def _rows(run_dir):
 
 
 def _params(run_dir):
-    exp, restored = load_run(run_dir)
+    exp, restored = restore_run(run_dir)
     return restored.step, jax.tree.leaves(exp.table.restore(restored.state).params)
 
 
 def _sizes(run_dir):
-    exp, _ = load_run(run_dir)
+    exp, _ = restore_run(run_dir)
     return sorted(len(p) for p in exp.parts)
 
 

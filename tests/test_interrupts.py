@@ -19,7 +19,7 @@ import pytest
 from fedjax_rcl.checkpoint import saved_steps
 from fedjax_rcl.cli import main
 from fedjax_rcl.config import load_config
-from fedjax_rcl.training import load_run, train
+from fedjax_rcl.training import restore_run, train
 
 # 6 rounds of FedAvg on 4 digits clients, checkpoints at rounds 0, 3 and 6: a signal at round
 # 4 or 5 finds completed rounds that no checkpoint holds.
@@ -80,7 +80,7 @@ def reference(tmp_path_factory):
     """The uninterrupted run: its metrics and final checkpoint."""
     run = tmp_path_factory.mktemp("ref") / "run"
     train(load_config(None, [*ARGS, f"run_dir={run}"]), progress=False, log=lambda s: None)
-    return _metrics(run), load_run(run)[1]
+    return _metrics(run), restore_run(run)[1]
 
 
 # Starts its arguments with SIGHUP at its default disposition, as a command typed at a terminal
@@ -103,7 +103,7 @@ def _resumes_to_the_reference(run, reference):
     metrics, state = reference
     assert main(["resume", str(run), "--no-progress"]) == 0
     assert _metrics(run) == metrics  # nothing lost, nothing duplicated
-    restored = load_run(run)[1]
+    restored = restore_run(run)[1]
     assert restored.step == state.step
     chex.assert_trees_all_equal(restored.state, state.state)  # bitwise
 

@@ -75,7 +75,7 @@ def test_not_a_run_directory_is_a_usage_error(tmp_path, capsys):
 def test_best_in_brackets_counts_only_the_rounds_up_to_the_reported_one(tmp_path):
     """A run that went further than the reported round: its later, better rounds do not
     enter the bracket of an earlier round."""
-    from fedjax_rcl.report import load_run, table
+    from fedjax_rcl.report import read_run, table
 
     run = tmp_path / "run"
     run.mkdir()
@@ -86,7 +86,7 @@ def test_best_in_brackets_counts_only_the_rounds_up_to_the_reported_one(tmp_path
         ema = a if ema is None else 0.9 * ema + 0.1 * a
         lines.append(json.dumps({"round": r, "test_accuracy": a, "test_accuracy_ema": ema}))
     (run / "metrics.jsonl").write_text("\n".join(lines) + "\n")
-    text = table([load_run(run)], [3, 4])
+    text = table([read_run(run)], [3, 4])
     at3, at4 = text.split("EMA test accuracy at round 4")
     assert "(0.5000)" in at3 and "0.9000" not in at3
     assert "(0.9000)" in at4
@@ -217,9 +217,9 @@ def test_within_run_counts_rounds_above_the_baseline_over_the_window(tmp_path, c
 
 def test_a_cell_one_seed_reached_shows_no_sd(tmp_path):
     """Three seeds of which one reached the round: the value alone, n=1, no '± 0.0000'."""
-    from fedjax_rcl.report import load_run, table
+    from fedjax_rcl.report import read_run, table
 
-    runs = [load_run(_fake_run_dir(tmp_path / f"s{s}", s, [0.3] * (6 if s == 0 else 3)))
+    runs = [read_run(_fake_run_dir(tmp_path / f"s{s}", s, [0.3] * (6 if s == 0 else 3)))
             for s in (0, 1, 2)]
     text = table(runs, [6])
     assert "| fedavg | 0.3000 (0.3000; n=1) |" in text
@@ -293,7 +293,7 @@ def test_an_ema_at_another_cadence_is_marked_and_the_raw_means_stand_beside_it(t
     and 50 rounds (NumPy reference), labelled."""
     import numpy as np
 
-    from fedjax_rcl.report import load_run, table
+    from fedjax_rcl.report import read_run, table
 
     rng = np.random.default_rng(5)
     every = rng.uniform(0.2, 0.8, 60)
@@ -301,7 +301,7 @@ def test_an_ema_at_another_cadence_is_marked_and_the_raw_means_stand_beside_it(t
     sparse = rng.uniform(0.2, 0.8, 6)
     e10 = _cadence_run(tmp_path / "rcl", "algorithm: fedrcl\nseed: 0\n", sparse, 10, False)
     e10n = _cadence_run(tmp_path / "moon", "algorithm: moon\nseed: 0\n", sparse, 10, True)
-    text = table([load_run(tmp_path / n) for n in ("avg", "rcl", "moon")], [60])
+    text = table([read_run(tmp_path / n) for n in ("avg", "rcl", "moon")], [60])
     ema_table, raw_table = text.split("Raw test accuracy at round 60")
     assert f"| fedavg | {e1:.4f} (" in ema_table  # every round: the paper's EMA, no mark
     assert f"| {RCL} | {e10:.4f}† (" in ema_table and f"| moon | {e10n:.4f}† (" in ema_table
@@ -317,10 +317,10 @@ def test_an_ema_at_another_cadence_is_marked_and_the_raw_means_stand_beside_it(t
 
 
 def test_a_report_of_runs_all_evaluated_every_round_has_no_mark(tmp_path):
-    from fedjax_rcl.report import load_run, table
+    from fedjax_rcl.report import read_run, table
 
     _fake_run(tmp_path / "a", "algorithm: fedavg\nseed: 0\n", [0.1, 0.2, 0.3])
-    text = table([load_run(tmp_path / "a")], [3])
+    text = table([read_run(tmp_path / "a")], [3])
     assert "†" not in text and "Not evaluated every round" not in text
 
 
@@ -364,7 +364,7 @@ def test_a_beta_sweep_is_summarised_per_value_beside_another_method(tmp_path, mo
     run; its title names the split, clients and seeds."""
     import numpy as np
 
-    from fedjax_rcl.report import _beta_sweep, load_run
+    from fedjax_rcl.report import _beta_sweep, read_run
 
     rng = np.random.default_rng(7)
     dirs, final = [], {}
@@ -378,7 +378,7 @@ def test_a_beta_sweep_is_summarised_per_value_beside_another_method(tmp_path, mo
     _fake_run(tmp_path / "avg", "algorithm: fedavg\nseed: 0\npartition: iid\n",
               rng.uniform(0.1, 0.5, 12))
     dirs.append(str(tmp_path / "avg"))
-    sweep = _beta_sweep([load_run(d) for d in dirs])
+    sweep = _beta_sweep([read_run(d) for d in dirs])
     (points,) = sweep.values()
     assert sorted(points) == [0.5, 2.0]
     assert [e for e, _ in points[0.5]] == [final[0.5, 0], final[0.5, 1]]

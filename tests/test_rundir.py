@@ -93,7 +93,7 @@ def test_every_reader_keeps_the_complete_lines_of_a_torn_metrics_file(tmp_path):
     assert run.read_metrics(upto=2) == whole[:2] and run.last_round() == 3
     assert run.read_clients() == [{"round": 1, "clients": [0]}]
     assert api.load(run_dir).metrics == whole
-    loaded = report.load_run(run_dir)
+    loaded = report.read_run(run_dir)
     assert loaded.rows == whole and loaded.clients == [{"round": 1, "clients": [0]}]
     assert plots.read_metrics(run.metrics) == whole
     assert suite.rounds_done(run_dir) == 3

@@ -17,7 +17,7 @@ from fedjax_rcl.engine.client import epoch_permutations
 from fedjax_rcl.engine.round import client_keys, clients_per_round, sample_clients
 from fedjax_rcl.experiment import build
 from fedjax_rcl.models.base import ModelOutput
-from fedjax_rcl.training import load_run, resume, train
+from fedjax_rcl.training import restore_run, resume_single, train
 
 CLASSES = 4
 
@@ -164,8 +164,8 @@ def test_stop_and_resume_is_bitwise_the_uninterrupted_run(tmp_path, algorithm):
     whole, cut = tmp_path / "whole", tmp_path / "cut"
     train(load_config(None, [*base, "rounds=4", f"run_dir={whole}"]), **quiet)
     train(load_config(None, [*base, "rounds=2", f"run_dir={cut}"]), **quiet)
-    resume(cut, ["rounds=4"], **quiet)
-    a, b = load_run(whole)[1], load_run(cut)[1]
+    resume_single(cut, ["rounds=4"], **quiet)
+    a, b = restore_run(whole)[1], restore_run(cut)[1]
     assert a.step == b.step == 4
     chex.assert_trees_all_equal(a.state, b.state)
     assert np.abs(jax.tree.leaves(a.state.algorithm_state)[0]).max() > 0
@@ -179,11 +179,11 @@ def test_a_run_written_before_algorithm_state_existed_resumes(tmp_path):
         tar.extractall(tmp_path, filter="data")
     old, fresh = tmp_path / "run", tmp_path / "fresh"
     quiet = dict(progress=False, log=lambda s: None)
-    resume(old, ["rounds=3"], **quiet)
-    cfg = load_run(old)[0].cfg
+    resume_single(old, ["rounds=3"], **quiet)
+    cfg = restore_run(old)[0].cfg
     train(load_config(None, ["algorithm=fedavg", "num_clients=4", "participation=0.5",
                              "local_epochs=1", "rounds=3", f"run_dir={fresh}"]), **quiet)
-    a, b = load_run(old)[1], load_run(fresh)[1]
+    a, b = restore_run(old)[1], restore_run(fresh)[1]
     assert a.step == b.step == 3 and cfg.algorithm == "fedavg"
     # Rounds 1-2 of the archived run were computed on another machine with other XLA flags.
     chex.assert_trees_all_close(a.state.params, b.state.params, rtol=1e-3, atol=1e-4)
@@ -247,8 +247,8 @@ def test_sparse_table_matches_the_dense_one_holds_only_trained_rows_and_resumes(
     train(load_config(None, [*base, "rounds=4", "client_states=sparse", f"run_dir={sparse}"]),
           **quiet)
     assert _run_metrics(host) == _run_metrics(sparse)
-    exp, restored = load_run(sparse)
-    exp_host, restored_host = load_run(host)
+    exp, restored = restore_run(sparse)
+    exp_host, restored_host = restore_run(host)
     table = exp.table
     sampled = {c for r in _run_metrics(sparse) for c in r.get("clients", [])} or None
     trained = set(table.trained().tolist())
@@ -263,9 +263,9 @@ def test_sparse_table_matches_the_dense_one_holds_only_trained_rows_and_resumes(
     # Stop at round 2 (fewer rows saved), resume to 4: the uninterrupted run.
     train(load_config(None, [*base, "rounds=2", "client_states=sparse", f"run_dir={cut}"]),
           **quiet)
-    resume(cut, ["rounds=4"], **quiet)
+    resume_single(cut, ["rounds=4"], **quiet)
     assert _run_metrics(cut) == _run_metrics(sparse)
-    a, b = load_run(cut), load_run(sparse)
+    a, b = restore_run(cut), restore_run(sparse)
     chex.assert_trees_all_equal(a[1].state, b[1].state)
     assert a[0].table.count == table.count
 
@@ -300,7 +300,7 @@ def test_auto_places_the_table_by_its_estimate_and_the_run_records_the_choice(tm
     assert "client_states: device" in (roomy / "config.yaml").read_text()
     assert any("client states" in x and "on the device" in x for x in lines)
     # 40 MOON rows do not fit twice in the memory left, the 4 that can train do.
-    row_bytes = tables.table_bytes(load_run(roomy)[0].table.row(load_run(roomy)[1].state, 0),
+    row_bytes = tables.table_bytes(restore_run(roomy)[0].table.row(restore_run(roomy)[1].state, 0),
                                    1)[0]
     monkeypatch.setattr(tables, "available_memory", lambda: int(12 * row_bytes))
     lines.clear()
@@ -308,5 +308,5 @@ def test_auto_places_the_table_by_its_estimate_and_the_run_records_the_choice(tm
     train(load_config(None, [*base, f"run_dir={tight}"]), log=lines.append, **quiet)
     assert "client_states: sparse" in (tight / "config.yaml").read_text()
     assert any("client states at most" in x for x in lines)
-    resume(tight, ["rounds=3"], progress=False, log=lambda s: None)
-    assert load_run(tight)[0].table.name == "sparse"
+    resume_single(tight, ["rounds=3"], progress=False, log=lambda s: None)
+    assert restore_run(tight)[0].table.name == "sparse"

@@ -36,9 +36,9 @@ def probe(run_dir: str, images: int) -> dict:
         mean_pairwise_cosine,
         variability_collapse_index,
     )
-    from fedjax_rcl.training import load_run, state_from_checkpoint
+    from fedjax_rcl.training import restore_run, state_from_checkpoint
 
-    exp, restored = load_run(run_dir)
+    exp, restored = restore_run(run_dir)
     state = state_from_checkpoint(exp, restored.state)
     ds = exp.dataset
     # A fixed random subset: image folders list the test set class by class.

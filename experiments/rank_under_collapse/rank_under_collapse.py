@@ -131,7 +131,7 @@ def parse_run(spec: str) -> tuple[str, int | None]:
 
 def load_state(run_dir: str, at_most: int | None, dataset=None):
     """The experiment and server state of the newest checkpoint (at or before ``at_most``),
-    as ``fedjax_rcl.training.load_run`` reads them."""
+    as ``fedjax_rcl.training.restore_run`` reads them."""
     from fedjax_rcl.checkpoint import Checkpointer
     from fedjax_rcl.experiment import build
     from fedjax_rcl.loop import load_run_config
