@@ -18,5 +18,11 @@ sync_records() {
   done
 }
 (while sleep 300; do sync_records; done) &
-trap 'kill $! 2>/dev/null; sync_records' EXIT
-fedjax-rcl suite run "$SUITE" --chunk "${CHUNK:-10}" --runs-dir "$CACHE" "$@"
+SYNC=$!
+trap 'kill $SYNC 2>/dev/null || true; sync_records' EXIT
+# Stop with a SIGTERM to the process group (kill -TERM -PGID): the suite saves the round in
+# progress and stops; this script waits for it, so the records are copied after, not before.
+fedjax-rcl suite run "$SUITE" --chunk "${CHUNK:-10}" --runs-dir "$CACHE" "$@" &
+RUN=$!
+trap 'wait $RUN; exit 143' TERM INT
+wait $RUN
