@@ -76,11 +76,6 @@ def pytest_configure(config):
     # Every program is cached, however fast it compiled: the tests compile the same small
     # programs (evaluations, one-step rounds) again in other tests and subprocesses.
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-    # Each operation's location in the lowered program names one frame, not the whole Python
-    # stack, so lowering, which the tests do for every program they trace, is faster (measured
-    # in experiments/test_step). Subprocesses inherit it.
-    os.environ["JAX_INCLUDE_FULL_TRACEBACKS_IN_LOCATIONS"] = "0"
-    jax.config.update("jax_include_full_tracebacks_in_locations", False)
     # Read when XLA's CPU backend starts (the first device use), after this hook; subprocesses
     # that tests start inherit it.
     flags = os.environ.get("XLA_FLAGS", "")
