@@ -18,6 +18,7 @@ from collections.abc import Callable
 
 from fedjax_rcl import builtins, registry
 from fedjax_rcl.config import WANDB_MODES, schema
+from fedjax_rcl.config.digest import keys_declared
 
 __all__ = ["KeyDoc", "attribute_docs", "keys", "markdown", "text"]
 
@@ -142,7 +143,12 @@ def markdown() -> str:
              "--print-config` prints a resolved config. Generated from the schema's docstrings "
              "by",
              "`python -m fedjax_rcl.reference > docs/configuration.md` (a test keeps this page "
-             "current).", ""]
+             "current).", "",
+             "A resumed run (`fedjax-rcl resume RUN_DIR key=value`) may change only the keys "
+             "that do not change its results: "
+             + ", ".join(f"`{k}`" for k in keys_declared(resume_safe=True))
+             + ". Overriding any other key on resume is refused unless `--force`: the "
+             "checkpoint was made with the saved value.", ""]
     by_section: dict[str, list[KeyDoc]] = {}
     for k in keys():
         by_section.setdefault(k.section, []).append(k)
