@@ -182,7 +182,7 @@ def load_config(path: str | None = None, overrides: list[str] | tuple[str, ...] 
     unknown = _unknown_file_keys(path) if path is not None else []
     if unknown:
         raise ConfigError(unknown)
-    base = OmegaConf.structured(schema())
+    base = _structured_schema()
     given = [o.partition("=")[0].strip() for o in overrides]
     overrides = [_quote_string_value(o) for o in sweep_overrides(overrides)]
     # Settings given on the command line that the chosen algorithm or server optimizer does not
@@ -211,6 +211,19 @@ def load_config(path: str | None = None, overrides: list[str] | tuple[str, ...] 
         except ConfigError as e:
             problems.extend(p for p in e.problems if p not in problems)
         raise ConfigError(problems or first.problems) from None
+
+
+_structured: list = [None, None]  # the schema class and its OmegaConf form, made once per schema
+
+
+def _structured_schema():
+    """The defaults as an OmegaConf config, made again only when ``schema()`` is (a registry
+    change): making it is most of what loading a config costs, and ``OmegaConf.merge`` copies
+    its first argument, so the one made is never changed."""
+    cls = schema()
+    if _structured[0] is not cls:
+        _structured[:] = [cls, OmegaConf.structured(cls)]
+    return _structured[1]
 
 
 def _chosen(base, layers: list, overrides: list[str]) -> tuple[str | None, str | None]:
