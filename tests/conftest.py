@@ -1,7 +1,10 @@
 """Shared fixtures: small synthetic datasets and configs that compile fast on CPU."""
 
+import gc
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -52,6 +55,7 @@ FAST_COMPILE_FLAGS = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_em
 # CLI call's round) is loaded, not compiled again, by the other worker and by subprocesses.
 _CACHE_KEY = "fedjax_rcl_cache"
 _made_cache: list[str] = []  # the directory this process made (removed when the run ends)
+_prebuild: list[subprocess.Popen] = []  # the oneDNN build started for the workers
 
 
 def _run_cache(config) -> str:
@@ -66,6 +70,13 @@ def _run_cache(config) -> str:
 
 def pytest_configure(config):
     os.environ["FEDJAX_RCL_CACHE"] = _run_cache(config)
+    if getattr(config, "workerinput", None) is None:
+        # The oneDNN extension, which the first convolution any test traces needs, is built
+        # into the fresh cache while the workers start and collect, not after (its build lock
+        # makes whoever needs it meanwhile wait for this build).
+        _prebuild.append(subprocess.Popen(
+            [sys.executable, "-c", "from fedjax_rcl.nn import onednn; onednn.available()"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
     import jax
 
     # Concurrent writers are safe: JAX writes an entry in place (not by a rename), zlib-
@@ -82,6 +93,14 @@ def pytest_configure(config):
     if (FAST_COMPILE_FLAGS not in flags
             and os.environ.get("FEDJAX_RCL_TEST_XLA_DEFAULTS") != "1"):
         os.environ["XLA_FLAGS"] = f"{flags} {FAST_COMPILE_FLAGS}".strip()
+    # Tracing a program allocates hundreds of thousands of short-lived Python objects, and
+    # with the default thresholds (700 allocations) the cyclic collector runs thousands of
+    # times per test file, each time over everything the imports and earlier tests left alive.
+    # The objects alive now (the imported modules) are moved out of its sight and it runs at
+    # most every 100,000 allocations (BENCHMARKS.md, "Figures behind the code's choices").
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(100_000, 50, 100)
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -91,6 +110,8 @@ def pytest_configure_node(node):
 
 
 def pytest_unconfigure(config):
+    for proc in _prebuild:
+        proc.wait()
     for path in _made_cache:
         shutil.rmtree(path, ignore_errors=True)
 

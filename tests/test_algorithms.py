@@ -25,7 +25,17 @@ def _cfg(**kw):
 
 # The client algorithms `train` runs (MFCL's phase 1 runs with `fedjax-rcl mfcl`, on its own
 # model; tests/test_mfcl.py).
-@pytest.mark.parametrize("name", sorted(n for n, e in ALGORITHMS.items() if e.command == "train"))
+TRAIN_ALGORITHMS = sorted(n for n, e in ALGORITHMS.items() if e.command == "train")
+# Algorithms whose round differs from FedAvg's only by the local objective, each objective
+# tested against NumPy on its own (test_baseline_losses, test_fedntd, test_losses; FedAvg's
+# round in test_engine): their compiled round against the client-by-client loop runs in the
+# slow step, their round's trace in the default one.
+OBJECTIVE_ONLY = ("fedavg", "feddecorr", "fedlc", "fedntd", "fedprox", "fedscl")
+
+
+@pytest.mark.parametrize("name", [
+    pytest.param(n, marks=[pytest.mark.slow] if n in OBJECTIVE_ONLY else [])
+    for n in TRAIN_ALGORITHMS])
 def test_every_algorithm_runs_a_round_and_matches_sequential(toy, name):
     exp = build(_cfg(algorithm=name), toy)
     mean, clients, losses = sequential_round(exp, exp.state)
@@ -34,6 +44,19 @@ def test_every_algorithm_runs_a_round_and_matches_sequential(toy, name):
     np.testing.assert_allclose(metrics["client_loss"], losses, rtol=1e-5, atol=1e-6)
     chex.assert_trees_all_close(state.params, mean, rtol=1e-5, atol=1e-5)
     assert np.isfinite(float(metrics["loss"]))
+
+
+@pytest.mark.parametrize("name", OBJECTIVE_ONLY)
+def test_every_algorithm_traces_a_round(toy, name):
+    """The round of each algorithm compared with the loop in the slow step only: it traces,
+    and its outputs have the round's shapes (parameters and client states keep theirs, one loss
+    per sampled client)."""
+    exp = build(_cfg(algorithm=name), toy)
+    state, metrics = jax.eval_shape(exp.run_round, exp.state, exp.data)
+    chex.assert_trees_all_equal_shapes_and_dtypes(state.params, exp.state.params)
+    chex.assert_trees_all_equal_shapes_and_dtypes(state.client_states, exp.state.client_states)
+    assert metrics["client_loss"].shape == metrics["clients"].shape == (3,)
+    assert metrics["loss"].shape == ()
 
 
 def test_moon_state_table_holds_exactly_the_sampled_clients_models(toy):

@@ -357,8 +357,22 @@ def _runner(impl, calls, n_diff: int, mode: str) -> Callable:
     return _RUNNERS[key]
 
 
-@pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("name", list(CASES_BY_NAME))
+# Called eagerly, every operation of a loss compiles on its own for each new shape (about a
+# second a case): the default step runs one case of each loss eagerly and every case jitted;
+# the slow step runs the other cases eagerly too.
+EAGER_DEFAULT = ("random-B16-C3-defaults", "multilevel-B5", "moon-B5-C8-default-t",
+                 "nt-xent-K5-C8")
+
+
+def _loss_cases():
+    for name in CASES_BY_NAME:
+        for mode in MODES:
+            slow = mode == "eager" and name not in EAGER_DEFAULT
+            yield pytest.param(name, mode, id=f"{name}-{mode}",
+                               marks=[pytest.mark.slow] if slow else [])
+
+
+@pytest.mark.parametrize("name,mode", list(_loss_cases()))
 def test_loss_matches_reference(impl, name, mode):
     case = CASES_BY_NAME[name]
     run = _runner(impl, case.calls, len(case.diff), mode)
