@@ -55,6 +55,8 @@ ENTRY %main.9 (x: f32[8,16,16,4], w: f32[3,3,4,8], y: f32[8,64], z: f32[64,10]) 
   %cudnn-conv.1 = (f32[8,8], u8[0]) custom-call(%x, %w), custom_call_target="__cudnn$convForward"
   %cublas-gemm.1 = (f32[8,10], s8[0]) custom-call(%y, %z), custom_call_target="__cublas$gemm"
   %gn.1 = (f32[8,64], f32[8,2]) custom-call(%y), custom_call_target="fedjax_group_norm_forward"
+  %o1 = f32[8,16,16,8] custom-call(%x, %w), custom_call_target="fedjax_onednn_conv_forward"
+  %o2 = f32[3,3,4,8] custom-call(%x, %o1), custom_call_target="fedjax_onednn_conv_backward_weights"
   %rng = u32[4]{0} rng-bit-generator(%w), algorithm=rng_default
   %while.1 = (s32[], f32[64]{0}) while(%x), condition=%cond, body=%body
   ROOT %dot.9 = f32[8,10]{1,0} dot(%y, %z), lhs_contracting_dims={1}, rhs_contracting_dims={0}
@@ -73,8 +75,44 @@ def test_operations_are_categorised_by_what_the_hlo_says_they_compute():
     assert cats["transpose_fusion"] == "copy"  # only slicing and transposing
     assert cats["loop_add_fusion"] == "elementwise"
     assert cats["copy.4"] == "copy"
+    assert cats["o1"] == cats["o2"] == "convolution"
     assert cats["rng"] == "other"
     assert cats["while.1"] == cats["tuple"] == "control"
+
+
+def test_each_operation_has_its_flops_and_bytes_from_the_hlo():
+    costs = trace_summary.hlo_costs(HLO)
+    conv = 2 * (8 * 16 * 16 * 8) * (3 * 3 * 4)  # 2 x outputs x multiply-adds per output
+    conv_bytes = 4 * (8 * 16 * 16 * 8 + 8 * 16 * 16 * 4 + 3 * 3 * 4 * 8)  # y, x and w
+    assert (costs["conv_fusion"]["flops"], costs["conv_fusion"]["bytes"]) == (conv, conv_bytes)
+    # oneDNN's forward and weight-gradient convolutions: the same multiply-adds.
+    assert costs["o1"]["flops"] == costs["o2"]["flops"] == conv
+    assert costs["o2"]["bytes"] == conv_bytes
+    assert (costs["dot.9"]["flops"], costs["dot.9"]["bytes"]) == (2 * 8 * 10 * 64,
+                                                         4 * (8 * 10 + 8 * 64 + 64 * 10))
+    assert costs["gemm_fusion_dot.2"]["flops"] == 2 * 8 * 10 * 64
+    assert costs["loop_add_fusion"]["bytes"] == 4 * 3 * 64  # its operand counted twice
+    assert costs["o2"]["what"] == ("conv_backward_weights(f32[8,16,16,4], f32[8,16,16,8]) -> "
+                                   "f32[3,3,4,8]")
+    assert costs["cudnn-conv.1"]["flops"] == 0  # not a convolution whose layout we know
+    assert "while.1" not in costs and "tuple" not in costs
+
+
+def test_costs_of_a_compiled_program_add_up_to_its_convolution_and_dot():
+    import jax
+    import jax.numpy as jnp
+
+    def f(x, w, a, b):
+        y = jax.lax.conv_general_dilated(x, w, (1, 1), "VALID",
+                                         dimension_numbers=("NHWC", "HWIO", "NHWC"))
+        return jnp.tanh(y).sum() + (a @ b).sum()
+
+    args = (jnp.ones((4, 12, 12, 3)), jnp.ones((5, 5, 3, 6)), jnp.ones((7, 9)),
+            jnp.ones((9, 11)))
+    text = jax.jit(f).lower(*args).compile().as_text()
+    costs = trace_summary.hlo_costs(text)
+    want = 2 * (4 * 8 * 8 * 6) * (5 * 5 * 3) + 2 * (7 * 11) * 9
+    assert sum(c["flops"] for c in costs.values()) == want
 
 
 def _event(ts, dur, name, pid=1, tid=1, **args):

@@ -85,6 +85,18 @@ def matmul_peak_gflops(n: int = 2048, repeats: int = 5) -> float:
     return 2 * n**3 / best / 1e9
 
 
+def copy_bandwidth_gbs(mib: float = 256, repeats: int = 5) -> float:
+    """Memory bandwidth, bytes read plus bytes written per second, of an in-place ``x += 1``
+    over ``mib`` MiB of float32: far beyond the caches at the default; inside them (the
+    working sets of a small model's operations) at a few MiB."""
+    import numpy as np
+
+    x = np.ones(int(mib * 2**20) // 4, np.float32)
+    x += 1  # pages mapped before the timing
+    best = min(_timed(lambda: np.add(x, 1, out=x)) for _ in range(repeats))
+    return 2 * x.nbytes / best / 1e9
+
+
 def _minor_faults() -> int:
     """This process's minor page faults so far: a round's count is the memory its allocator got
     afresh from the kernel (XLA:CPU's working memory is mapped anew for every execution)."""

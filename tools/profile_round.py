@@ -16,7 +16,12 @@ import json
 import tempfile
 
 import jax
-from bench_round import fake_cifar  # this folder: the benchmark's synthetic images
+from bench_round import (  # this folder: the benchmark's synthetic images, the machine
+    copy_bandwidth_gbs,
+    fake_cifar,
+    machine,
+    matmul_peak_gflops,
+)
 
 from fedjax_rcl.bench import trace_summary
 from fedjax_rcl.config import Config
@@ -56,14 +61,26 @@ def main() -> None:
     print("  time shared with another thread's operations (the cores not to themselves): "
           + ", ".join(f"{k} {shared[k]:.3f} s of {summary['seconds'][k]:.3f} s"
                       for k in ("convolution", "elementwise") if summary["seconds"][k]))
-    others = [o for o in summary["top_ops"] if o["category"] not in ("convolution", "matmul")]
-    print("costliest operations other than convolutions and matrix products:")
-    for o in others[:args.top]:
-        print(f"  {o['op']:40s} {o['category']:12s} {o['s']:.4f} s over {o['count']} runs")
+    peak, bandwidth, cached = matmul_peak_gflops(), copy_bandwidth_gbs(), copy_bandwidth_gbs(2)
+    print(f"the machine: float32 matmul peak {peak:.1f} GFLOP/s, memory bandwidth "
+          f"{bandwidth:.1f} GB/s (in a 2 MiB working set {cached:.1f} GB/s)")
+    for k in ("convolution", "matmul", "elementwise", "copy"):
+        gb = f"{summary['gb_s'][k]:6.1f} GB/s ({100 * summary['gb_s'][k] / bandwidth:5.1f} %)"
+        print(f"  {k:12s} " + (f"{summary['gflop_s'][k]:6.1f} GFLOP/s ("
+                                f"{100 * summary['gflop_s'][k] / peak:4.1f} % of peak), "
+                                if k in ("convolution", "matmul") else "") + gb)
+    print("costliest operations (per run: FLOPs, bytes; over the call: GFLOP/s, GB/s):")
+    for o in summary["top_ops"][:args.top]:
+        rates = (f"  {o['flops']:>11,d} {o['bytes']:>11,d}  {o['gflop_s']:6.1f} "
+                 f"{o['gb_s']:6.1f}" if "flops" in o else "")
+        print(f"  {o['op']:32s} {o['category']:12s} {o['s']:.4f} s over {o['count']:5d} runs"
+              + rates + (f"  {o['what']}" if o.get("what") else ""))
     if args.json:
         summary.pop("trace", None)
         with open(args.json, "w") as f:
-            json.dump({"config": vars(args), **summary}, f, indent=1)
+            json.dump({"config": vars(args), "machine": machine(), "matmul_peak_gflops": peak,
+                       "copy_bandwidth_gbs": bandwidth,
+                       "copy_bandwidth_2mib_gbs": cached, **summary}, f, indent=1)
 
 
 if __name__ == "__main__":

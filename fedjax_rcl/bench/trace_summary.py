@@ -28,6 +28,12 @@ so that a wrong category can be seen and fixed from the file; a kernel inside a 
 listed under its own fusion where its name gives one, not under the graph's command buffer
 (which would sum the whole round's element-wise kernels into one line).
 
+Work and traffic: each operation's FLOPs (2 per multiply-add of a convolution, an XLA or
+oneDNN one, and of a dot, also inside a fusion) and bytes (its operands read and its results
+written, whole: an upper bound for a fusion that reads part of an operand) are read from the
+same HLO (``hlo_costs``), so that each of ``top_ops`` and each category carries its achieved
+GFLOP/s and GB/s, to set beside the machine's matmul peak and memory bandwidth.
+
 Idle: the span from the first operation's start to the last one's end, less the time covered
 by at least one operation: launch gaps and host waits inside the call (on a CPU, where
 operations run on several threads at once, the category times can add up to more than the
@@ -64,6 +70,16 @@ _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s+=\s+.*?\s([a-z][a-z0-
 _CALLS = re.compile(r"(?:calls|to_apply|body|condition)=%?([\w.\-]+)")
 _TARGET = re.compile(r'custom_call_target="([^"]*)"')
 _ANNOTATED = re.compile(r"hlo_op=([\w.\-]+)")
+_DEFINITION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s+=\s+(.*?)\s([a-z][a-z0-9\-_]*)\((.*)$")
+_SHAPE = re.compile(r"\b(pred|bf16|c64|c128|f8\w*|[fsu]\d+)\[([\d,]*)\]")
+_HEADER_PARAM = re.compile(r"([\w.\-]+):\s+((?:\([^)]*\))|(?:[\w]+\[[\d,]*\]))")
+_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4,
+          "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16}
+# oneDNN's convolutions (fedjax_rcl.nn.onednn; NHWC activations, HWIO kernels): where the
+# output-side tensor (y, or dy) and the kernel are, as an operand index or "result".
+_ONEDNN_CONV = {"fedjax_onednn_conv_forward": ("result", 1),
+                "fedjax_onednn_conv_backward_data": (0, 1),
+                "fedjax_onednn_conv_backward_weights": (1, "result")}
 
 
 def _by_name(text: str) -> str:
@@ -164,6 +180,124 @@ def hlo_categories(hlo_text: str) -> dict[str, str]:
     return out
 
 
+def _shapes(text: str) -> list[tuple[str, tuple[int, ...]]]:
+    return [(dt, tuple(int(d) for d in dims.split(",") if d)) for dt, dims in _SHAPE.findall(text)]
+
+
+def _nbytes(shapes) -> int:
+    return sum(_BYTES.get(dt, 4) * int(np.prod(dims, dtype=np.int64)) for dt, dims in shapes)
+
+
+def _operands(text: str) -> tuple[list[str], str]:
+    """The operand texts of an instruction (``text`` starts after its opening parenthesis)
+    and what follows the closing one (its attributes)."""
+    depth, start, out = 0, 0, []
+    for i, ch in enumerate(text):
+        if ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            if depth == 0:
+                last = text[start:i].strip()
+                return ([*out, last] if last else out), text[i + 1:]
+            depth -= 1
+        elif ch == "," and depth == 0:
+            out.append(text[start:i].strip())
+            start = i + 1
+    return out, ""
+
+
+def _labels_out_dim(attrs: str, rank: int) -> int:
+    """The output-feature dimension of a convolution's kernel (``dim_labels=..._01io->...``)."""
+    m = re.search(r"dim_labels=\w+_(\w+)->", attrs)
+    return m.group(1).index("o") if m and "o" in m.group(1) else rank - 1
+
+
+def hlo_costs(hlo_text: str) -> dict[str, dict]:
+    """``{instruction name: {"flops": ..., "bytes": ..., "what": ...}}`` per run of every
+    operation of an optimised HLO module's text (module docstring): FLOPs of its convolutions
+    and dots (those of the computations a fusion calls included), bytes of its operands and
+    results, and ``what``: the operation (a custom call's target) with its shapes."""
+    shapes: dict[str, list] = {}
+    defs: list[tuple[str, str, str, list[str], str, str]] = []  # name, op, result, ops, attrs, comp
+    comp = ""
+    for line in hlo_text.splitlines():
+        m = _COMPUTATION.match(line)
+        if m:
+            comp = m.group(1)
+            for pname, ptext in _HEADER_PARAM.findall(line.split("->")[0]):
+                shapes.setdefault(pname, _shapes(ptext))
+            continue
+        m = _DEFINITION.match(line)
+        if not m:
+            continue
+        name, result, op, rest = m.groups()
+        operands, attrs = _operands(rest)
+        shapes[name] = _shapes(result)
+        defs.append((name, op, result, operands, attrs, comp))
+
+    def operand_shapes(operands: list[str]) -> list:
+        out = []
+        for o in operands:
+            own = _shapes(o.rsplit("%", 1)[0]) if "[" in o else []
+            out.append(own or shapes.get(o.split()[-1].lstrip("%"), []))
+        return out
+
+    def flops(op: str, result: str, operands: list[str], attrs: str) -> int:
+        ins = operand_shapes(operands)
+        res = _shapes(result)
+        if op == "dot" and ins and res:
+            m = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", attrs)
+            dims = [int(d) for d in m.group(1).split(",") if d] if m else []
+            k = int(np.prod([ins[0][0][1][d] for d in dims], dtype=np.int64)) if ins[0] else 1
+            return 2 * int(np.prod(res[0][1], dtype=np.int64)) * k
+        if op == "convolution" and len(ins) > 1 and ins[1] and res:
+            kernel = ins[1][0][1]
+            per_out = int(np.prod(kernel, dtype=np.int64)) // max(
+                kernel[_labels_out_dim(attrs, len(kernel))], 1)
+            return 2 * int(np.prod(res[0][1], dtype=np.int64)) * per_out
+        if op == "custom-call":
+            t = _TARGET.search(attrs)
+            where = _ONEDNN_CONV.get(t.group(1) if t else "")
+            if where:
+                y, w = ((res[0][1] if i == "result" else ins[i][0][1]) for i in where)
+                return 2 * int(np.prod(y, dtype=np.int64)) * int(
+                    np.prod(w, dtype=np.int64)) // max(w[-1], 1)
+        return 0
+
+    by_comp: dict[str, int] = defaultdict(int)
+    calls: dict[str, list[str]] = defaultdict(list)
+    for _, op, result, operands, attrs, comp in defs:
+        by_comp[comp] += flops(op, result, operands, attrs)
+        calls[comp] += _CALLS.findall(attrs)
+
+    def inner(c: str, seen: frozenset = frozenset()) -> int:
+        return by_comp.get(c, 0) + sum(inner(k, seen | {c}) for k in calls.get(c, ())
+                                       if k not in seen)
+
+    # Instructions inside a fusion or a reduction's scalar function run as part of their
+    # caller: only the caller is an operation of the trace.
+    inlined = {c for _, op, _, _, attrs, _ in defs for c in re.findall(
+        r"(?:calls|to_apply)=%?([\w.\-]+)" if op == "fusion" else r"to_apply=%?([\w.\-]+)",
+        attrs)}
+    out = {}
+    for name, op, result, operands, attrs, comp in defs:
+        if op in CONTROL or comp in inlined:
+            continue
+        f = (sum(inner(c) for c in _CALLS.findall(attrs)) if op == "fusion"
+             else flops(op, result, operands, attrs))
+        ins = [s for o in operand_shapes(operands) for s in o]
+        target = _TARGET.search(attrs) if op == "custom-call" else None
+        what = target.group(1).removeprefix("fedjax_onednn_") if target else op
+        out[name] = {"flops": f, "bytes": _nbytes(_shapes(result)) + _nbytes(ins),
+                     "what": f"{what}({', '.join(_shape_text(s) for s in ins)}) -> "
+                             + ", ".join(_shape_text(s) for s in _shapes(result))}
+    return out
+
+
+def _shape_text(shape) -> str:
+    return f"{shape[0]}[{','.join(map(str, shape[1]))}]"
+
+
 def trace_file(log_dir: str | Path) -> Path:
     """The newest trace-event JSON ``jax.profiler.trace`` wrote under ``log_dir``."""
     found = sorted(Path(log_dir).glob("plugins/profile/*/perfetto_trace.json.gz")) or sorted(
@@ -261,10 +395,13 @@ def overlapped(placed: list[tuple[float, float, str, object]]) -> dict[str, floa
 
 
 def summarise(events: list[dict], names: dict, categories: dict[str, str],
-              top: int = 30) -> dict:
+              top: int = 30, costs: dict[str, dict[str, int]] | None = None) -> dict:
     """Per-category time (seconds), shares of the summed operation time, the idle share of the
     span, the time each category shared with another track's operations (``overlapped``),
-    and the ``top`` costliest operations (trace times are microseconds)."""
+    and the ``top`` costliest operations (trace times are microseconds); with ``costs``
+    (``hlo_costs``), each category's and each listed operation's FLOPs and bytes over the
+    call, and the GFLOP/s and GB/s they ran at."""
+    costs = costs or {}
     ops, where = op_events(events, names)
     per = dict.fromkeys(CATEGORIES, 0.0)
     count = dict.fromkeys(CATEGORIES, 0)
@@ -283,6 +420,10 @@ def summarise(events: list[dict], names: dict, categories: dict[str, str],
         by_op[key][0] += e["dur"]
         by_op[key][1] += 1
         intervals.append((e["ts"], e["ts"] + e["dur"]))
+    work = {k: {"flops": 0, "bytes": 0} for k in CATEGORIES}
+    for (op, cat), (_, n) in by_op.items():
+        for key in ("flops", "bytes"):
+            work[cat][key] += costs.get(op, {}).get(key, 0) * n
     total = sum(per.values())
     busy = _union(intervals)
     span = (max(b for _, b in intervals) - min(a for a, _ in intervals)) if intervals else 0.0
@@ -295,9 +436,26 @@ def summarise(events: list[dict], names: dict, categories: dict[str, str],
         "overlapped_s": {k: v / 1e6 for k, v in overlapped(placed).items()},
         "shares": {k: (v / total if total else 0.0) for k, v in per.items()},
         "share_named_by_hlo": named / total if total else 0.0,
-        "top_ops": [{"op": k[0], "category": k[1], "s": v[0] / 1e6, "count": v[1]}
-                    for k, v in worst],
+        "flops": {k: w["flops"] for k, w in work.items()},
+        "gflop_s": {k: _rate(w["flops"], per[k]) for k, w in work.items()},
+        "gb_s": {k: _rate(w["bytes"], per[k]) for k, w in work.items()},
+        "top_ops": [{"op": k[0], "category": k[1], "s": v[0] / 1e6, "count": v[1],
+                     **_op_rates(costs.get(k[0]), v)} for k, v in worst],
     }
+
+
+def _rate(amount: float, microseconds: float) -> float:
+    """Giga-units per second (``amount`` over ``microseconds`` of trace time)."""
+    return amount / microseconds / 1e3 if microseconds else 0.0
+
+
+def _op_rates(cost: dict | None, time_count: list) -> dict:
+    if cost is None:
+        return {}
+    seconds, n = time_count
+    return {"flops": cost["flops"], "bytes": cost["bytes"], "what": cost.get("what", ""),
+            "gflop_s": _rate(cost["flops"] * n, seconds),
+            "gb_s": _rate(cost["bytes"] * n, seconds)}
 
 
 def profile(call: Callable[[], object], hlo_text: str, log_dir: str | Path,
@@ -314,5 +472,5 @@ def profile(call: Callable[[], object], hlo_text: str, log_dir: str | Path,
         wall = time.perf_counter() - t
     path = trace_file(log_dir)
     events, names = load_events(path)
-    out = summarise(events, names, hlo_categories(hlo_text), top)
+    out = summarise(events, names, hlo_categories(hlo_text), top, hlo_costs(hlo_text))
     return {**out, "wall_s": wall, "trace": str(path), "trace_bytes": path.stat().st_size}
