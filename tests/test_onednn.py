@@ -258,5 +258,13 @@ def test_a_compiler_without_openmp_still_builds_the_library(monkeypatch, tmp_pat
     monkeypatch.setenv("FEDJAX_RCL_CACHE", str(tmp_path / "cache"))
     library = onednn._build(onednn._build_inputs())
     assert library.exists()
-    tried = calls.read_text().splitlines()
-    assert len(tried) == 2 and "-fopenmp" in tried[0].split() and "-fopenmp" not in tried[1].split()
+    tried = [line.split() for line in calls.read_text().splitlines()]
+    # With OpenMP first (each source's compile fails), then without: each source compiled once
+    # and one link.
+    with_openmp = [t for t in tried if "-fopenmp" in t]
+    without = tried[len(with_openmp):]
+    assert with_openmp and tried[:len(with_openmp)] == with_openmp
+    assert not any("-fopenmp" in t for t in without)
+    assert sorted(t[t.index("-c") + 1].rsplit("/", 1)[-1] for t in without if "-c" in t) == sorted(
+        source.name for source in onednn._sources())
+    assert [t for t in without if "-shared" in t] == [without[-1]]
