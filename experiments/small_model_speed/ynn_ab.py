@@ -8,6 +8,8 @@ FedAvg, MOON and FedRCL at 10 clients, with XLA's defaults and with
 each in a fresh process; prints the medians and the paired ratios and writes them as JSON.
 
     python experiments/small_model_speed/ynn_ab.py --passes 3 --json ynn_ab.json
+    python experiments/small_model_speed/ynn_ab.py --model resnet18 --clients 5 \
+        --algorithms fedavg fedrcl --passes 2 --json ynn_ab_resnet18.json
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ def main() -> None:
     ap.add_argument("--passes", type=int, default=3)
     ap.add_argument("--algorithms", nargs="+", default=["fedavg", "moon", "fedrcl"])
     ap.add_argument("--clients", type=int, default=10)
+    ap.add_argument("--model", default="cnn", help="bench_round's local work for it (ResNet-18:"
+                    " one epoch of 100 samples, 2 steps)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     sys.path.insert(0, str(ROOT / "tools"))
@@ -46,8 +50,8 @@ def main() -> None:
     for p in range(args.passes):
         for a in args.algorithms:
             for s, flags in SETTINGS.items():
-                spec = {"model": "cnn", "algorithm": a, "clients": args.clients, "mode": "vmap",
-                        "repeats": 3}
+                spec = {"model": args.model, "algorithm": a, "clients": args.clients,
+                        "mode": "vmap", "repeats": 3}
                 r = run(spec, flags)
                 times[(a, s)].append(r["round_s"])
                 print(f"pass {p} {a:7s} {s:9s} {r['round_s']:.3f} s a round", flush=True)
@@ -62,7 +66,8 @@ def main() -> None:
               f"{statistics.median(n):.3f} s, no-ynn/defaults per pass "
               + ", ".join(f"{r:.2f}" for r in ratios))
     if args.json:
-        args.json.write_text(json.dumps({"machine": machine(), "clients": args.clients,
+        args.json.write_text(json.dumps({"machine": machine(), "model": args.model,
+                                         "clients": args.clients,
                                          "rows": rows}, indent=1))
 
 
