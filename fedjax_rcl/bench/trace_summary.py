@@ -66,7 +66,6 @@ DERIVED_TRACKS = ("xla modules", "xla ops", "framework ops", "tensorflow ops", "
                   "tensorflow name scope", "host threads")
 
 _COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s+\(.*\)\s+->\s+.*\{\s*$")
-_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s+=\s+.*?\s([a-z][a-z0-9\-_]*)\(")
 _CALLS = re.compile(r"(?:calls|to_apply|body|condition)=%?([\w.\-]+)")
 _TARGET = re.compile(r'custom_call_target="([^"]*)"')
 _ANNOTATED = re.compile(r"hlo_op=([\w.\-]+)")
@@ -121,9 +120,9 @@ def hlo_categories(hlo_text: str) -> dict[str, str]:
         if line.strip() == "}":
             current = None
             continue
-        m = _INSTRUCTION.match(line)
+        m = _DEFINITION.match(line)
         if m and current is not None:
-            current.append((m.group(1), m.group(2), line))
+            current.append((m.group(1), m.group(3), line))
 
     memo: dict[str, set[str]] = {}
 
@@ -264,10 +263,12 @@ def hlo_costs(hlo_text: str) -> dict[str, dict]:
                     np.prod(w, dtype=np.int64)) // max(w[-1], 1)
         return 0
 
+    own = {name: flops(op, result, operands, attrs)
+           for name, op, result, operands, attrs, _ in defs}
     by_comp: dict[str, int] = defaultdict(int)
     calls: dict[str, list[str]] = defaultdict(list)
-    for _, op, result, operands, attrs, comp in defs:
-        by_comp[comp] += flops(op, result, operands, attrs)
+    for name, _, _, _, attrs, comp in defs:
+        by_comp[comp] += own[name]
         calls[comp] += _CALLS.findall(attrs)
 
     def inner(c: str, seen: frozenset = frozenset()) -> int:
@@ -283,8 +284,7 @@ def hlo_costs(hlo_text: str) -> dict[str, dict]:
     for name, op, result, operands, attrs, comp in defs:
         if op in CONTROL or comp in inlined:
             continue
-        f = (sum(inner(c) for c in _CALLS.findall(attrs)) if op == "fusion"
-             else flops(op, result, operands, attrs))
+        f = sum(inner(c) for c in _CALLS.findall(attrs)) if op == "fusion" else own[name]
         ins = [s for o in operand_shapes(operands) for s in o]
         target = _TARGET.search(attrs) if op == "custom-call" else None
         what = target.group(1).removeprefix("fedjax_onednn_") if target else op
