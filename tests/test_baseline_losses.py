@@ -108,8 +108,9 @@ def numeric_grad(fn, x, eps=1e-6):
 
 
 def _check(jax_fn, ref_fn, x):
-    np.testing.assert_allclose(float(jax_fn(jnp.asarray(x))), ref_fn(x), rtol=1e-10, atol=1e-12)
-    got = np.asarray(jax.grad(lambda v: jax_fn(v))(jnp.asarray(x)))
+    np.testing.assert_allclose(float(jax.jit(jax_fn)(jnp.asarray(x))), ref_fn(x), rtol=1e-10,
+                               atol=1e-12)
+    got = np.asarray(jax.jit(jax.grad(jax_fn))(jnp.asarray(x)))
     assert np.all(np.isfinite(got))
     np.testing.assert_allclose(got, numeric_grad(ref_fn, x), rtol=1e-5, atol=1e-7)
 

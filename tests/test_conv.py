@@ -66,7 +66,7 @@ def test_matmul_convs_match_native(impl, shape, kernel, stride, padding):
     # Gradients w.r.t. input and kernel of a random linear functional. A kernel gradient sums
     # B*H*W products in a different order per implementation: tolerance relative to its scale.
     g = jax.random.normal(kg, y_native.shape)
-    grad = lambda f: jax.grad(lambda x, w: jnp.sum(f(x, w) * g), argnums=(0, 1))(x, w)
+    grad = lambda f: jax.jit(jax.grad(lambda x, w: jnp.sum(f(x, w) * g), argnums=(0, 1)))(x, w)
     for a, b in zip(grad(patches), grad(native), strict=True):
         np.testing.assert_allclose(a, b, atol=1e-6 * max(1.0, float(np.abs(b).max())), rtol=1e-5)
 
@@ -194,9 +194,9 @@ def test_both_patch_input_gradients_are_exact(monkeypatch, rule, shape, kernel, 
         g = jax.random.normal(kg, lax.conv_general_dilated(x, w, (1, 1), padding,
                                                            dimension_numbers=DN).shape,
                               jnp.float64)
-        grads = [jax.grad(lambda x, w, f=f: jnp.sum(f(x, w, (1, 1), padding,
-                                                      dimension_numbers=DN) * g),
-                          argnums=(0, 1))(x, w)
+        grads = [jax.jit(jax.grad(lambda x, w, f=f: jnp.sum(f(x, w, (1, 1), padding,
+                                                              dimension_numbers=DN) * g),
+                                  argnums=(0, 1)))(x, w)
                  for f in (patch_conv_general_dilated, lax.conv_general_dilated)]
         assert input_grad_rule(x.shape, g.shape, w.shape, (1, 1),
                                lax.padtype_to_pads(shape[1:3], kernel[:2], (1, 1), padding)
@@ -216,13 +216,13 @@ def test_bfloat16_input_gradients_round_once(monkeypatch, rule):
     x = jax.random.normal(kx, (4, 14, 14, 16)).astype(bf)
     w = (jax.random.normal(kw, (3, 3, 16, 32)) / 12).astype(bf)
     g = jax.random.normal(kg, (4, 12, 12, 32)).astype(bf)
-    dx = jax.grad(lambda x: jnp.sum((patch_conv_general_dilated(
-        x, w, (1, 1), "VALID", dimension_numbers=DN) * g).astype(jnp.float32)))(x)
+    dx = jax.jit(jax.grad(lambda x: jnp.sum((patch_conv_general_dilated(
+        x, w, (1, 1), "VALID", dimension_numbers=DN) * g).astype(jnp.float32))))(x)
     assert dx.dtype == bf
     with jax.enable_x64(True):
         f64 = lambda a: jnp.asarray(np.asarray(a.astype(jnp.float32)), jnp.float64)
-        ref = jax.grad(lambda x: jnp.sum(lax.conv_general_dilated(
-            x, f64(w), (1, 1), "VALID", dimension_numbers=DN) * f64(g)))(f64(x))
+        ref = jax.jit(jax.grad(lambda x, w, g: jnp.sum(lax.conv_general_dilated(
+            x, w, (1, 1), "VALID", dimension_numbers=DN) * g)))(f64(x), f64(w), f64(g))
         err = np.asarray(f64(dx) - ref)
         ref = np.asarray(ref)
     assert np.linalg.norm(err) / np.linalg.norm(ref) < 2.0 ** -8.5
@@ -288,7 +288,7 @@ def test_max_pool_matches_flax(shape, window):
     ours = lambda x: max_pool(x, window)
     flax_pool = lambda x: nn.max_pool(x, (window, window), strides=(window, window))
     np.testing.assert_array_equal(ours(x), flax_pool(x))
-    grad = lambda f: jax.grad(lambda x: jnp.sum(f(x) * g))(x)
+    grad = lambda f: jax.jit(jax.grad(lambda x: jnp.sum(f(x) * g)))(x)
     np.testing.assert_array_equal(grad(ours), grad(flax_pool))
 
 
@@ -312,12 +312,13 @@ def test_grouped_convolution_matches_xla(shape, kernel, stride, padding, groups)
         return conv(x, w, (stride, stride), pads, dimension_numbers=dn,
                     feature_group_count=groups)
 
-    got, want = f(grouped_conv_general_dilated, x, w), f(lax.conv_general_dilated, x, w)
+    got, want = (jax.jit(functools.partial(f, conv))(x, w)
+                 for conv in (grouped_conv_general_dilated, lax.conv_general_dilated))
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
-    gx, gw = jax.grad(lambda x, w: jnp.sum(f(grouped_conv_general_dilated, x, w) ** 2),
-                      (0, 1))(x, w)
-    hx, hw = jax.grad(lambda x, w: jnp.sum(f(lax.conv_general_dilated, x, w) ** 2),
-                      (0, 1))(x, w)
+    gx, gw = jax.jit(jax.grad(lambda x, w: jnp.sum(f(grouped_conv_general_dilated, x, w) ** 2),
+                              (0, 1)))(x, w)
+    hx, hw = jax.jit(jax.grad(lambda x, w: jnp.sum(f(lax.conv_general_dilated, x, w) ** 2),
+                              (0, 1)))(x, w)
     np.testing.assert_allclose(np.asarray(gx), np.asarray(hx), rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(np.asarray(gw), np.asarray(hw), rtol=1e-4, atol=1e-4)
     if kernel[2] == 1 or kernel[:2] == (1, 1):  # the fast paths emit no convolution at all

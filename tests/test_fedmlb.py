@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from compiled import compiled_fns
 
 from fedjax_rcl import registry
 from fedjax_rcl.algorithms import ALGORITHMS, Batch, LocalContext
@@ -39,6 +40,7 @@ def _setup(name, size):
     labels = jnp.asarray(rng.integers(0, 5, 6), jnp.int32)
     local, ms = model.init(jax.random.PRNGKey(0), images[:1])
     glob, _ = model.init(jax.random.PRNGKey(1), images[:1])
+    model = compiled_fns(model)
     return model, Batch(images, labels), local, glob, ms
 
 
@@ -108,7 +110,7 @@ def test_gradient_flows_through_the_global_blocks_into_the_local_ones():
         main = model.apply(p, ms, batch.images, train=False)[0].logits
         return cross_entropy(main, batch.labels) + jnp.mean(jnp.stack(ces))
 
-    got, want = jax.grad(objective)(local), jax.grad(spliced)(local)
+    got, want = jax.jit(jax.grad(objective))(local), jax.jit(jax.grad(spliced))(local)
     chex.assert_trees_all_close(got, want, rtol=2e-4, atol=1e-6)
     assert float(jnp.abs(got["stem_conv"]["kernel"]).max()) > 0
 

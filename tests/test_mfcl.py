@@ -204,7 +204,7 @@ def test_batch_statistics_representations_are_each_clients_own_batches():
     running = client_encoder(exp)(exp.state.params, exp.state.model_state)
     alone = np.asarray(represent_all(exp, running, pool, sizes * 2))
     assert np.abs(alone - reps).max() > 1e-2
-    one = np.asarray(phase2.make_representations(running, paired=True, blur=False)(
+    one = np.asarray(jax.jit(phase2.make_representations(running, paired=True, blur=False))(
         key, images[pool[:1, 0]], jnp.asarray(pool[:1])))
     np.testing.assert_allclose(alone[[0, p]], one, rtol=1e-4, atol=1e-4)
 
