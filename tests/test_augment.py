@@ -1,5 +1,7 @@
 """In-graph augmentation: shapes, ranges, and equality with step-by-step NumPy transforms."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -37,10 +39,12 @@ def np_pad_crop(img, oy, ox, pad):
 def test_composed_map_equals_rotate_then_crop_then_flip():
     rng = np.random.default_rng(0)
     img = rng.integers(0, 256, (12, 12, 3), dtype=np.uint8)
+    params = jax.jit(functools.partial(augment_params, max_degrees=10.0, crop_padding=4,
+                                       hflip=True))
+    image = jax.jit(augment_image)
     for i in range(20):
-        p = jax.device_get(augment_params(jax.random.PRNGKey(i), max_degrees=10.0,
-                                          crop_padding=4, hflip=True))
-        got = np.asarray(augment_image(jax.random.PRNGKey(i), jnp.asarray(img)))
+        p = jax.device_get(params(jax.random.PRNGKey(i)))
+        got = np.asarray(image(jax.random.PRNGKey(i), jnp.asarray(img)))
         ref = np_pad_crop(np_rotate(img, float(p["angle"])), int(p["oy"]), int(p["ox"]), 4)
         if p["flip"]:
             ref = ref[:, ::-1]
@@ -52,11 +56,13 @@ def test_reflect_padding_equals_numpy_reflect_pad_then_crop_then_flip():
     rng = np.random.default_rng(1)
     img = rng.integers(0, 256, (10, 12, 3), dtype=np.uint8)
     flips = set()
+    params = jax.jit(functools.partial(augment_params, max_degrees=0.0, crop_padding=4,
+                                       hflip=True))
+    image = jax.jit(functools.partial(augment_image, max_degrees=0.0, crop_padding=4,
+                                      pad_mode="reflect"))
     for i in range(30):
-        p = jax.device_get(augment_params(jax.random.PRNGKey(i), max_degrees=0.0,
-                                          crop_padding=4, hflip=True))
-        got = np.asarray(augment_image(jax.random.PRNGKey(i), jnp.asarray(img), max_degrees=0.0,
-                                       crop_padding=4, pad_mode="reflect"))
+        p = jax.device_get(params(jax.random.PRNGKey(i)))
+        got = np.asarray(image(jax.random.PRNGKey(i), jnp.asarray(img)))
         padded = np.pad(img, ((4, 4), (4, 4), (0, 0)), mode="reflect")
         ref = padded[int(p["oy"]):int(p["oy"]) + 10, int(p["ox"]):int(p["ox"]) + 12]
         if p["flip"]:
@@ -80,8 +86,9 @@ def test_rotation_by_90_degrees_is_rot90():
 
 def test_identity_when_disabled():
     img = jnp.asarray(np.random.default_rng(1).integers(0, 256, (3, 8, 8, 3)), jnp.uint8)
-    out = augment_batch(jax.random.PRNGKey(0), img, mean=(0.5,) * 3, std=(0.25,) * 3,
-                        max_degrees=0.0, crop_padding=0, hflip=False)
+    out = jax.jit(functools.partial(augment_batch, mean=(0.5,) * 3, std=(0.25,) * 3,
+                                    max_degrees=0.0, crop_padding=0, hflip=False))(
+        jax.random.PRNGKey(0), img)
     np.testing.assert_allclose(out, (np.asarray(img) / 255 - 0.5) / 0.25, atol=1e-6)
 
 

@@ -6,6 +6,7 @@ import json
 import jax
 import numpy as np
 import pytest
+from compiled import compiled_fns
 from engine_reference import sequential_local_updates
 
 from fedjax_rcl.cli import main
@@ -14,11 +15,11 @@ from fedjax_rcl.data.augment import normalize
 from fedjax_rcl.experiment import build
 
 
-def _accuracy(exp, params, model_state, client):
+def _accuracy(exp, apply, params, model_state, client):
     """NumPy: the share of the client's own samples the model (evaluation mode) gets right."""
     idx = np.asarray(exp.parts[client])
     x = normalize(exp.dataset.train_images[idx], exp.dataset.mean, exp.dataset.std)
-    out, _ = exp.model.apply(params, model_state, x, train=False)
+    out, _ = apply(params, model_state, x, train=False)
     return float(np.mean(np.argmax(np.asarray(out.logits), -1) == exp.dataset.train_labels[idx]))
 
 
@@ -32,8 +33,11 @@ def test_accuracy_before_and_after_equals_a_per_client_computation(toy, kw):
     clients, results = sequential_local_updates(exp, exp.state)
     _, metrics = jax.jit(exp.run_round)(exp.state, exp.data)
     np.testing.assert_array_equal(np.asarray(metrics["clients"]), clients)
-    before = [_accuracy(exp, exp.state.params, exp.state.model_state, c) for c in clients]
-    after = [_accuracy(exp, r[0], r[1], c) for c, r in zip(clients, results, strict=True)]
+    apply = compiled_fns(exp.model).apply
+    before = [_accuracy(exp, apply, exp.state.params, exp.state.model_state, c)
+              for c in clients]
+    after = [_accuracy(exp, apply, r[0], r[1], c)
+             for c, r in zip(clients, results, strict=True)]
     np.testing.assert_allclose(np.asarray(metrics["client_acc_before"]), before, atol=1e-6)
     np.testing.assert_allclose(np.asarray(metrics["client_acc_after"]), after, atol=1e-6)
     assert max(after) > 0 and "acc_after" not in metrics  # only the per-client arrays
