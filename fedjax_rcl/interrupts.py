@@ -32,7 +32,9 @@ that "killed during a save" is certain rather than hoped for: ``phase=saving,rou
 signal=KILL`` (``test_point``; phases ``compiling``, ``training``, ``evaluating``,
 ``saving``, ``between``; ``times=2`` sends it twice as a person would, the second after the
 watcher acted on the first and more than ``REPEAT_WINDOW_S`` later; ``burst=2`` sends it twice
-back to back, as ``timeout`` does). Unset, ``test_point`` does nothing.
+back to back, as ``timeout`` does; ``to=parent`` sends it to the parent process instead, as a
+signal to a suite that runs this run as its child, ``to=group`` to the whole process group, as
+Ctrl-C does). Unset, ``test_point`` does nothing.
 
 Usage (the command line does this)::
 
@@ -202,14 +204,22 @@ def stop(signum: int | None = None) -> None:
         _exit_now(_requested[0] or signum or signal.SIGINT)
 
 
+# Where a test signal goes: this process, its parent, or its process group.
+_TARGETS = {"self": lambda s: os.kill(os.getpid(), s),
+            "parent": lambda s: os.kill(os.getppid(), s),
+            "group": lambda s: os.killpg(os.getpgid(0), s)}
+
+
 def _test_plan() -> dict | None:
     text = os.environ.get(TEST_SIGNAL_ENV)
     if not text:
         return None
     plan = dict(item.split("=", 1) for item in text.split(",") if item)
-    if plan.get("phase") not in PHASES or "signal" not in plan:
+    if (plan.get("phase") not in PHASES or "signal" not in plan
+            or plan.get("to", "self") not in _TARGETS):
         raise ValueError(f"{TEST_SIGNAL_ENV}={text!r}: phase= one of {', '.join(PHASES)}, "
-                         "signal= INT, TERM, HUP or KILL, optional round=, times= and burst=")
+                         "signal= INT, TERM, HUP or KILL, optional round=, times=, burst= and "
+                         f"to= one of {', '.join(_TARGETS)}")
     return plan
 
 
@@ -240,8 +250,9 @@ def test_kill_due(phase: str, first: int | None = None, last: int | None = None)
 
 def test_point(phase: str, first: int | None = None, last: int | None = None) -> None:
     """A named moment of the run (rounds ``first..last``): with ``FEDJAX_RCL_TEST_SIGNAL``
-    naming it, the process sends itself the signal there (once per process) and goes on once
-    the watcher has acted on it."""
+    naming it, the process sends the signal there (once per process; to itself unless the plan
+    says ``to=``) and goes on once its watcher has acted on it (a signal to the parent reaches
+    it when the parent passes it on)."""
     plan = _due(phase, first, last)
     if plan is None:
         return
@@ -253,7 +264,7 @@ def test_point(phase: str, first: int | None = None, last: int | None = None) ->
             time.sleep(2 * REPEAT_WINDOW_S)
         _received.clear()
         for _ in range(int(plan.get("burst", 1))):
-            os.kill(os.getpid(), signum)
+            _TARGETS[plan.get("to", "self")](signum)
         if watched:
             _received.wait(timeout=120)
 
