@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import os
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -96,6 +97,7 @@ class Experiment:
         setting a traced value.
       layout: how local training runs, in words (``describe_layout``): the clients' layout
         the config or the cost model chose and the convolutions it trains with.
+      compiler_options: the XLA options the run's programs compile with (``compile_options``).
     """
 
     cfg: CoreConfig
@@ -115,6 +117,7 @@ class Experiment:
     mesh: Mesh | None = None
     program_for: Callable[[CoreConfig], TrainingProgram] | None = None
     layout: str = ""
+    compiler_options: dict[str, str] = dataclasses.field(default_factory=dict)
 
     @functools.cached_property
     def run_round(self) -> Callable:
@@ -127,7 +130,7 @@ class Experiment:
         metrics)`` for up to ``capacity`` (default ``cfg.eval_every``) rounds per call, the
         metrics as NumPy arrays ``[n, ...]``."""
         return self.table.compile(self.round_rows, self.state, self.data,
-                                  capacity or self.cfg.eval_every)
+                                  capacity or self.cfg.eval_every, self.compiler_options)
 
     def analysis(self, num_images: int) -> Callable:
         """``analyze(state) -> dict``: the representation analysis of this run on
@@ -140,6 +143,17 @@ class Experiment:
             clients_per_round=clients_per_round(self.cfg.num_clients, self.cfg.participation),
             rounds=self.cfg.rounds, num_images=num_images,
             sampling=self.cfg.sampling_version)
+
+
+def compile_options(model: str, platform: str | None = None,
+                    xla_flags: str | None = None) -> dict[str, str]:
+    """The XLA options a run of ``model`` compiles its programs with: on a CPU the model's
+    ``cpu_xla_options`` (``registry.ModelEntry``), less any the user sets in ``XLA_FLAGS``
+    (``xla_flags``, default the environment's); elsewhere none."""
+    if (platform or jax.default_backend()) != "cpu":
+        return {}
+    flags = os.environ.get("XLA_FLAGS", "") if xla_flags is None else xla_flags
+    return {k: v for k, v in registry.model(model).cpu_xla_options if f"--{k}" not in flags}
 
 
 def make_partition(cfg: CoreConfig, labels: np.ndarray) -> list[np.ndarray]:
@@ -356,4 +370,5 @@ def build(cfg: CoreConfig, dataset: ImageDataset | None = None, *,
                       evaluate=jax.jit(make_evaluate(model, mean=mean, std=std)),
                       server_start=sopt.start, mesh=mesh,
                       layout=describe_layout(per_round, devices, in_parallel, conv_impl)
-                      + describe_table(cfg.client_states, row, rows))
+                      + describe_table(cfg.client_states, row, rows),
+                      compiler_options=compile_options(cfg.model))

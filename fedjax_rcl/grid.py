@@ -296,9 +296,10 @@ def compile_grid(exps: list[Experiment], states, log: Callable[[str], None] = pr
         "cache)...")
     t0 = time.perf_counter()
     n0 = jax.device_put(np.int32(capacity))
+    options = first.compiler_options or None
     compiled = jax.jit(advance_all, donate_argnums=0).lower(
-        states, first.data, indices, sizes, values, n0).compile()
-    evaluate = jax.jit(evaluate_all).lower(states, first.test).compile()
+        states, first.data, indices, sizes, values, n0).compile(options)
+    evaluate = jax.jit(evaluate_all).lower(states, first.test).compile(options)
     analyses = (tuple(compile_analysis(e, _member(states, i)) for i, e in enumerate(exps))
                 if first.cfg.analysis_every else ())
     compile_s = time.perf_counter() - t0

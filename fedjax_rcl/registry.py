@@ -103,6 +103,9 @@ class ModelEntry:
       min_input_size: the smallest image height and width it takes (its valid convolutions and
         pools leave a non-empty feature map), so that smaller data are refused before anything
         is compiled; None: not stated (a plugin's model), nothing is checked.
+      cpu_xla_options: ``(name, value)`` pairs of XLA options the run's programs compile with
+        on a CPU (``jax.stages.Lowered.compile``'s ``compiler_options``), where a measured
+        choice differs by model; one the user sets in ``XLA_FLAGS`` is left to the user.
     """
 
     name: str
@@ -112,6 +115,7 @@ class ModelEntry:
     width: bool = False
     num_blocks: int = 0
     min_input_size: int | None = None
+    cpu_xla_options: tuple[tuple[str, str], ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -238,13 +242,15 @@ def register_algorithm(name: str, build: Callable, *, config: type | None = None
 def register_model(name: str, build: Callable, *, num_levels: int,
                    norms: tuple[str, ...] = ("group",), width: bool = False,
                    num_blocks: int = 0, min_input_size: int | None = None,
+                   cpu_xla_options: tuple[tuple[str, str], ...] = (),
                    replace: bool = False) -> ModelEntry:
     """Makes ``model=name`` available (see ``ModelEntry`` for the arguments)."""
     if min_input_size is not None and (isinstance(min_input_size, bool) or not isinstance(
             min_input_size, int) or min_input_size < 1):
         raise ValueError(f"model {name!r}: min_input_size={min_input_size!r}: must be an "
                          "integer >= 1 or None")
-    entry = ModelEntry(name, build, num_levels, tuple(norms), width, num_blocks, min_input_size)
+    entry = ModelEntry(name, build, num_levels, tuple(norms), width, num_blocks, min_input_size,
+                       tuple((str(k), str(v)) for k, v in cpu_xla_options))
     _add(MODELS, entry, "model", replace)
     return entry
 

@@ -109,7 +109,8 @@ def compile_program(exp: Experiment, log: Callable[[str], None] = _silent) -> Co
     interrupts.test_point("compiling")
     t0 = time.perf_counter()
     advance = exp.compile_rounds()
-    evaluate = exp.evaluate.lower(exp.state.params, exp.state.model_state, exp.test).compile()
+    evaluate = exp.evaluate.lower(exp.state.params, exp.state.model_state, exp.test).compile(
+        exp.compiler_options or None)
     analyze = compile_analysis(exp, exp.state) if exp.cfg.analysis_every else None
     compile_s = time.perf_counter() - t0
     log(f"compiled in {compile_s:.1f} s")

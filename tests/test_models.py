@@ -255,3 +255,27 @@ def test_validating_model_and_norm_imports_no_model_module():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True).stdout
     assert out.split() == ["['fedjax_rcl.models',", "'fedjax_rcl.models.base']"]
+
+
+def test_the_cnns_compile_without_ynnpack_fusions_on_a_cpu_unless_the_user_says():
+    """MOON's CNN's max-pools ran as YNNPACK reduce fusions at 1-4 GB/s: its runs compile
+    without YNNPACK fusions on a CPU (the option is the model's; ResNets keep XLA's default),
+    the option XLA takes by that name has that effect, and a user's XLA_FLAGS setting wins."""
+    from fedjax_rcl.experiment import compile_options
+    from fedjax_rcl.nn.pool import max_pool
+
+    off = {"xla_cpu_experimental_ynn_fusion_type": ""}
+    assert compile_options("cnn", "cpu", "") == compile_options("moon_cnn", "cpu", "") == off
+    assert compile_options("resnet18", "cpu", "") == compile_options("pfl_cnn", "cpu", "") == {}
+    assert compile_options("cnn", "gpu", "") == {}
+    assert compile_options("cnn", "cpu", "--xla_cpu_experimental_ynn_fusion_type="
+                                         "LIBRARY_FUSION_TYPE_REDUCE") == {}
+    x = jax.random.normal(jax.random.PRNGKey(0), (4, 28, 28, 6))
+    lowered = jax.jit(jax.grad(lambda x: jnp.sum(max_pool(jax.nn.relu(x), 2) ** 2))).lower(x)
+    fusions = lambda compiled: sum(" fusion(" in line and "%ynn_fusion" in line
+                                   for line in compiled.as_text().splitlines())
+    assert fusions(lowered.compile(off)) == 0
+    with_ynn = lowered.compile({"xla_cpu_experimental_ynn_fusion_type":
+                                "LIBRARY_FUSION_TYPE_REDUCE"})
+    assert fusions(with_ynn) > 0  # the pool is a YNNPACK fusion when they are on
+    np.testing.assert_array_equal(with_ynn(x), lowered.compile(off)(x))

@@ -51,8 +51,9 @@ class ClientTable(Protocol):
         its table (device tables only)."""
 
     def compile(self, round_rows: RoundRows, state: ServerState, data: ClientData,
-                capacity: int) -> Advance:
-        """Compiles the rounds for up to ``capacity`` rounds per call."""
+                capacity: int, compiler_options: dict | None = None) -> Advance:
+        """Compiles the rounds for up to ``capacity`` rounds per call, with XLA's
+        ``compiler_options`` if any."""
 
     def row(self, state: ServerState, client: int) -> ClientState:
         """One client's row, on the device."""
@@ -106,11 +107,11 @@ class DeviceTable:
         return _gather_round(round_rows, self.num_clients, self.per_round, self.sampling)
 
     def compile(self, round_rows: RoundRows, state: ServerState, data: ClientData,
-                capacity: int) -> Advance:
+                capacity: int, compiler_options: dict | None = None) -> Advance:
         fused = jax.jit(make_run_rounds(self.run_round(round_rows), capacity),
                         donate_argnums=0)
         compiled = fused.lower(state, data, put_replicated(np.int32(capacity), self.mesh)
-                               ).compile()
+                               ).compile(compiler_options or None)
 
         def advance(state: ServerState, n: int):
             state, metrics = compiled(state, data, put_replicated(np.int32(n), self.mesh))
@@ -157,11 +158,12 @@ class HostTable:
                         "rounds run through compile()")
 
     def compile(self, round_rows: RoundRows, state: ServerState, data: ClientData,
-                capacity: int) -> Advance:
+                capacity: int, compiler_options: dict | None = None) -> Advance:
         del capacity  # one round per call: the rows of the next round depend on this one's
         m = self.per_round
         rows = put_replicated(self._gather(np.arange(m)), self.mesh)
-        one = jax.jit(round_rows, donate_argnums=0).lower(state, data, rows).compile()
+        one = jax.jit(round_rows, donate_argnums=0).lower(state, data, rows).compile(
+            compiler_options or None)
         sampler = jax.jit(lambda key, r: sample_clients(key, r, self.num_clients, m,
                                                         self.sampling))
         sampler.lower(state.key, state.round).compile()  # now, not in the first round
