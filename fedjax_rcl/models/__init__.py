@@ -103,8 +103,8 @@ _NORMS = ("group", "batch", "twin")
 # the second convolution does not fit).
 # On a CPU, XLA hands the max-pools' reductions to YNNPACK, whose fusions ran them at 1-4 GB/s:
 # without YNNPACK fusions MOON's and FedRCL's rounds of this CNN took 0.78-0.91x the time and
-# FedAvg's 0.95-1.02x, while ResNet-18's took 1.03-1.07x, so the choice is the model's
-# (BENCHMARKS.md, "Figures behind the code's choices").
+# FedAvg's 0.95-1.02x, while ResNet-18's took 1.03-1.07x and pfl's CNN's 1.04-1.22x, so the
+# choice is the model's (BENCHMARKS.md, "Figures behind the code's choices").
 _CNN_CPU_XLA = (("xla_cpu_experimental_ynn_fusion_type", ""),)
 registry.register_model("cnn", _lazy(_cnn), num_levels=4, norms=("group",), num_blocks=4,
                         min_input_size=16, cpu_xla_options=_CNN_CPU_XLA)
