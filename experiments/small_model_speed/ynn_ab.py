@@ -6,9 +6,9 @@ round, its default client layout, the paper's local work: 5 epochs of 10 steps o
 FedAvg, MOON and FedRCL at 10 clients, with XLA's defaults and with
 `--xla_cpu_experimental_ynn_fusion_type=` (no YNNPACK fusion), alternating, `--passes` times,
 each in a fresh process; prints the medians and the paired ratios and writes them as JSON.
-The CNNs' runs now compile without YNNPACK fusions on their own (`cpu_xla_options` of their
-model entries): for them `defaults` is XLA's default only in ynn_ab.json and ynn_types.json
-(taken before); `reduce` gives the same fusions as XLA's default did (ynn_types.json).
+ynn_choice.json was taken with the CNNs' model entries set to no YNNPACK fusions
+(`cpu_xla_options`), so there `defaults` is that choice and `reduce` stands for XLA's default
+(the same speed in ynn_types.json).
 
     python experiments/small_model_speed/ynn_ab.py --passes 3 --json ynn_ab.json
     python experiments/small_model_speed/ynn_ab.py --model resnet18 --clients 5 \

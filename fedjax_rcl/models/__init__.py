@@ -101,19 +101,13 @@ _NORMS = ("group", "batch", "twin")
 # Smallest input: two valid 5x5 convolutions, each followed by a 2x2 pool: H -> (H - 4) // 2
 # -> ((H - 4) // 2 - 4) // 2 >= 1 needs H >= 16 (at 14 and 15 the second pool is empty; below,
 # the second convolution does not fit).
-# On a CPU, XLA hands the max-pools' reductions to YNNPACK, whose fusions ran them at 1-4 GB/s:
-# without YNNPACK fusions MOON's and FedRCL's rounds of this CNN took 0.78-0.91x the time and
-# FedAvg's 0.95-1.02x, while ResNet-18's took 1.03-1.07x and pfl's CNN's 1.04-1.22x, so the
-# choice is the model's (BENCHMARKS.md, "Figures behind the code's choices").
-_CNN_CPU_XLA = (("xla_cpu_experimental_ynn_fusion_type", ""),)
 registry.register_model("cnn", _lazy(_cnn), num_levels=4, norms=("group",), num_blocks=4,
-                        min_input_size=16, cpu_xla_options=_CNN_CPU_XLA)
+                        min_input_size=16)
 # MOON's tables train every method on its ``ModelFedCon(simple-cnn)``: the same CNN, then the
 # projection head (84 -> 84 -> 256 by default, ``moon.projection_dim`` under MOON) and the
 # classifier on the projection's output.
 registry.register_model("moon_cnn", _lazy(_cnn, "build_fedcon"), num_levels=4,
-                        norms=("group",), num_blocks=4, min_input_size=16,
-                        cpu_xla_options=_CNN_CPU_XLA)
+                        norms=("group",), num_blocks=4, min_input_size=16)
 # Smallest input: every convolution is padded (a stride-2 3x3 with padding 1 maps H to
 # (H + 1) // 2 >= 1), and there is no pool before the global mean: any H >= 1.
 registry.register_model("mobilenet_v2", _lazy(_mobilenet), num_levels=7, norms=_NORMS,
