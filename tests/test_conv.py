@@ -72,6 +72,21 @@ def test_matmul_convs_match_native(impl, shape, kernel, stride, padding):
 
 
 @pytest.mark.parametrize("impl", sorted(IMPLS))
+def test_gradient_through_a_jitted_convolution(impl):
+    """The gradient of a jitted convolution taken outside the jit (a test's or a user's
+    ``jax.grad`` of a compiled ``apply``) equals lax.conv's: the custom gradients' residuals
+    are values a jitted forward pass can return."""
+    kx, kw = jax.random.split(jax.random.PRNGKey(3))
+    x = jax.random.normal(kx, (2, 9, 9, 4))
+    w = jax.random.normal(kw, (3, 3, 4, 6)) / 6.0
+    native = lambda x, w: lax.conv_general_dilated(x, w, (2, 2), "SAME", dimension_numbers=DN)
+    ours = jax.jit(lambda x, w: IMPLS[impl](x, w, (2, 2), "SAME", dimension_numbers=DN))
+    grad = lambda f: jax.grad(lambda x, w: jnp.sum(jnp.tanh(f(x, w))), argnums=(0, 1))(x, w)
+    for a, b in zip(grad(ours), grad(native), strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("impl", sorted(IMPLS))
 def test_matmul_convs_under_vmap_over_kernels(impl):
     """The client axis: one kernel per client, vmapped, as in the round."""
     kx, kw = jax.random.split(jax.random.PRNGKey(1))

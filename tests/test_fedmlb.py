@@ -32,7 +32,7 @@ def _splice(local, glob, name, m):
     return {k: (local[k] if k in mine else glob[k]) for k in glob}
 
 
-def _setup(name, size, compiled=True):
+def _setup(name, size):
     kw = {"width": 4} if name.startswith("resnet") else {}
     model = model_fns(get_model(name, num_classes=5, **kw), conv_impl="patches")
     rng = np.random.default_rng(0)
@@ -40,8 +40,7 @@ def _setup(name, size, compiled=True):
     labels = jnp.asarray(rng.integers(0, 5, 6), jnp.int32)
     local, ms = model.init(jax.random.PRNGKey(0), images[:1])
     glob, _ = model.init(jax.random.PRNGKey(1), images[:1])
-    model = compiled_fns(model) if compiled else model
-    return model, Batch(images, labels), local, glob, ms
+    return compiled_fns(model), Batch(images, labels), local, glob, ms
 
 
 @pytest.mark.parametrize("name,size", [
@@ -95,9 +94,7 @@ def test_gradient_flows_through_the_global_blocks_into_the_local_ones():
     """d/d local of the objective = d/d local of CE(local) + mean_m CE(spliced_m(local, g)):
     every local block is trained through the frozen global blocks after it."""
     name = "resnet10"
-    # Eager: the gradient of a jitted ResNet's apply (patch convolutions) fails to lower here (a
-    # ShapeDtypeStruct among its constants); the engine differentiates inside one jit.
-    model, batch, local, glob, ms = _setup(name, 8, compiled=False)
+    model, batch, local, glob, ms = _setup(name, 8)
     algorithm = fedmlb(model, FedMLBConfig(lambda1=1.0, lambda2=0.0))
     ctx = LocalContext(glob, ms, (), jax.random.PRNGKey(2))
 

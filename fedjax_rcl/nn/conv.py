@@ -164,7 +164,7 @@ def patch_conv_general_dilated(
     padding = _check(lhs, rhs, window_strides, padding, lhs_dilation, rhs_dilation,
                      dimension_numbers, feature_group_count, batch_group_count, "patch")
     return _patch_conv(lhs, rhs, tuple(window_strides), padding, precision,
-                       preferred_element_type)
+                       preferred_element_type, tuple(lhs.shape), jnp.dtype(lhs.dtype))
 
 
 def _padded_patches(x, kh, kw, strides, padding):
@@ -181,17 +181,22 @@ def _patch_matmul(x, w, strides, padding, precision, preferred_element_type):
     return y, patches
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
-def _patch_conv(x, w, strides, padding, precision, preferred_element_type):
+# The input's shape and dtype travel as static arguments, not as a residual: residuals are
+# values a jitted forward pass returns, and a ShapeDtypeStruct has none (the gradient of a
+# jitted apply then failed to lower).
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6, 7))
+def _patch_conv(x, w, strides, padding, precision, preferred_element_type, x_shape, x_dtype):
     return _patch_matmul(x, w, strides, padding, precision, preferred_element_type)[0]
 
 
-def _patch_conv_fwd(x, w, strides, padding, precision, preferred_element_type):
+def _patch_conv_fwd(x, w, strides, padding, precision, preferred_element_type, x_shape,
+                    x_dtype):
     y, patches = _patch_matmul(x, w, strides, padding, precision, preferred_element_type)
-    return y, (patches, w, jax.ShapeDtypeStruct(x.shape, x.dtype))
+    return y, (patches, w)
 
 
-def _patch_conv_bwd(strides, padding, precision, preferred_element_type, residuals, g):
+def _patch_conv_bwd(strides, padding, precision, preferred_element_type, x_shape, x_dtype,
+                    residuals, g):
     """Hand-written gradient. The input gradient is one of two exact formulations, whichever
     writes fewer values (``input_grad_rule``):
 
@@ -204,7 +209,8 @@ def _patch_conv_bwd(strides, padding, precision, preferred_element_type, residua
       A layer that widens (``C_in < C_out``) writes less so: pfl-research's conv2 (32 -> 64,
       valid) 0.44 times as much, and a memory-bound round pays for what it writes.
     """
-    patches, w, x = residuals
+    patches, w = residuals
+    x = jax.ShapeDtypeStruct(x_shape, x_dtype)
     kh, kw, cin, cout = w.shape
     g = g.astype(patches.dtype)
     dw = lax.dot_general(patches, g, (((0, 1, 2), (0, 1, 2)), ((), ())),
