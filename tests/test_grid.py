@@ -220,31 +220,47 @@ def test_a_sweep_of_alpha_gives_each_member_its_own_split_and_its_run_alone(tmp_
             np.testing.assert_array_equal(np.asarray(g), np.asarray(a))
 
 
+def _within_fedrcl_noise(run_a, run_b) -> bool:
+    """Whether two FedRCL runs' metrics and parameters agree within the sweep test's
+    tolerances (its docstring says why these)."""
+    for x, y in zip(_rows(run_a), _rows(run_b), strict=True):
+        assert x.keys() == y.keys()
+        for k in ("train_loss", "penalty", "test_loss"):
+            if x[k] != pytest.approx(y[k], rel=2e-3):
+                return False
+        if abs(x["test_accuracy"] - y["test_accuracy"]) > 2.5 / 359:  # two test images
+            return False
+    return all(np.allclose(np.asarray(g), np.asarray(a), rtol=2e-3, atol=3e-3)
+               for g, a in zip(_params(run_a)[1], _params(run_b)[1], strict=True))
+
+
 @pytest.mark.slow  # a 4-member sweep and its resume; the alpha sweep runs by default
 def test_a_sweep_of_an_algorithm_setting_with_seeds_equals_each_run_alone(tmp_path):
     """FedRCL's beta enters the one program as a traced value per run; each member agrees with
-    its run alone (where beta is a constant) within float reassociation, and the values and
-    seeds really differ."""
+    its run alone (where beta is a constant) within what float reassociation can make of two
+    rounds of FedRCL, and the values and seeds really differ.
+
+    FedRCL amplifies a rounding-level difference: its penalty gates each classmate pair on
+    ``similarity > threshold`` and its hard mining takes a min and a top-k, so a pair on the
+    edge switches a term on or off. Moving the run alone's lr by 2^-22 relative (one place,
+    one program) moves its penalty by about 2e-4 relative and a weight by 2e-4 to 4e-4, where
+    FedAvg's moves by 1e-7; a member and its run alone differ by as much or less, and the
+    member with the other beta by 0.2 in loss, 1.2 in penalty and 3e-2 in a weight
+    (experiments/small_model_speed/grid_drift.json). The tolerances sit between the two."""
     fedrcl = [*GRID, "algorithm=fedrcl", "lr=0.01"]
     grid = fedjax_rcl.train(None, *fedrcl, "rounds=2", "fedrcl.beta=[0.5,3]", "seeds=[0,1]",
                             f"run_dir={tmp_path / 'grid'}")
     assert [m.run_dir.name for m in grid.members] == [
         "fedrcl.beta-0.5-seed-0", "fedrcl.beta-0.5-seed-1", "fedrcl.beta-3-seed-0",
         "fedrcl.beta-3-seed-1"]
-    # The last member (beta 3, seed 1) alone: a member given another's beta or seed would
-    # differ from it.
-    for member in grid.members[3:]:
-        c = member.config
-        alone = fedjax_rcl.train(None, *fedrcl, "rounds=2", f"fedrcl.beta={c.fedrcl.beta}",
-                                 f"seed={c.seed}", f"run_dir={tmp_path / member.run_dir.name}")
-        for x, y in zip(_rows(member.run_dir), _rows(alone.run_dir), strict=True):
-            assert x.keys() == y.keys()
-            for k in ("train_loss", "penalty", "test_loss", "test_accuracy"):
-                assert x[k] == pytest.approx(y[k], rel=1e-4, abs=1e-5), k
-        for g, a in zip(_params(member.run_dir)[1], _params(alone.run_dir)[1], strict=True):
-            np.testing.assert_allclose(np.asarray(g), np.asarray(a), rtol=1e-4, atol=1e-5)
-    losses = {m.run_dir.name: _rows(m.run_dir)[-1]["train_loss"] for m in grid.members}
-    assert len(set(losses.values())) == 4, losses
+    # The last member (beta 3, seed 1) alone agrees with it within the tolerances and with
+    # none of the other three (another beta or another seed).
+    member = grid.members[3]
+    c = member.config
+    alone = fedjax_rcl.train(None, *fedrcl, "rounds=2", f"fedrcl.beta={c.fedrcl.beta}",
+                             f"seed={c.seed}", f"run_dir={tmp_path / member.run_dir.name}")
+    assert [_within_fedrcl_noise(m.run_dir, alone.run_dir) for m in grid.members] == [
+        False, False, False, True]
     # An interrupted sweep resumes whole, as a grid of seeds does.
     again = fedjax_rcl.resume(grid.run_dir, "rounds=3")
     assert [[r["round"] for r in m.metrics] for m in again.members] == [[1, 2, 3]] * 4
