@@ -47,6 +47,7 @@ from fedjax_rcl.config import (
     to_yaml,
 )
 from fedjax_rcl.engine.sharding import is_primary
+from fedjax_rcl.experiment import compile_options
 from fedjax_rcl.tracking import Trackers
 from fedjax_rcl.validation import ConfigError
 
@@ -265,8 +266,19 @@ def new_run(cfg: CoreConfig, prepare: Callable[[], Any], *, command: str | None,
         if primary:
             with interrupts.critical():
                 rundir.atomic_write_text(rundir.RunDir(run_dir).config, to_yaml(cfg))
-            provenance.record(run_dir, command, 0, cfg.plugins, input_files(cfg))
+            provenance.record(run_dir, command, 0, cfg.plugins, input_files(cfg),
+                              model_compiler_options(cfg))
         yield run_dir, prepared
+
+
+def model_compiler_options(cfg: CoreConfig) -> dict[str, str] | None:
+    """The XLA options the run's model compiles with here (``experiment.compile_options``);
+    None for a model the registry does not hold (MFCL's encoders)."""
+    name = getattr(cfg, "model", None)
+    try:
+        return compile_options(name) if isinstance(name, str) else None
+    except ValueError:
+        return None
 
 
 def input_files(cfg: CoreConfig) -> tuple[str, ...]:
@@ -294,7 +306,8 @@ def resumed_records(run_dir: Path, cfg: CoreConfig, lines: list[str], *, command
     with interrupts.critical():
         rundir.atomic_write_lines(run.metrics, lines)
         rundir.atomic_write_text(run.config, to_yaml(cfg))
-    provenance.record(run_dir, command, first, cfg.plugins, input_files(cfg))
+    provenance.record(run_dir, command, first, cfg.plugins, input_files(cfg),
+                      model_compiler_options(cfg))
 
 
 def load_run_config(run_dir: Path, overrides=()) -> tuple[CoreConfig, CoreConfig]:

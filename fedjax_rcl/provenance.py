@@ -98,31 +98,38 @@ def file_sha256(path: str | os.PathLike[str]) -> str | None:
         return None
 
 
-def environment(command: str | None, first_round: int, plugins=(), inputs=()) -> dict:
+def environment(command: str | None, first_round: int, plugins=(), inputs=(),
+                compiler_options=None) -> dict:
     """One ``environment.jsonl`` record for a process starting at ``first_round``: also the
-    working directory, where the run's ``plugins`` were imported from, and the SHA-256 of each
+    working directory, where the run's ``plugins`` were imported from, the SHA-256 of each
     input file the config names beside the dataset (``inputs``: a split file), so that a
-    committed run says which file it trained on where its path alone cannot."""
+    committed run says which file it trained on where its path alone cannot, and the XLA
+    settings its programs compiled with (``$XLA_FLAGS`` and the model's
+    ``compiler_options``), which can move results at the rounding level."""
     from fedjax_rcl import registry
 
     now = datetime.datetime.now(datetime.UTC).replace(microsecond=0)
     out = {"command": command, "started_utc": now.isoformat(), "first_round": first_round,
            "cwd": os.getcwd(), "plugin_dirs": registry.plugin_dirs(plugins), "cpu": cpu(),
-           **devices(), "versions": versions(), "git_commit": git_commit()}
+           **devices(), "versions": versions(), "git_commit": git_commit(),
+           "xla_flags": os.environ.get("XLA_FLAGS", "")}
+    if compiler_options is not None:
+        out["compiler_options"] = dict(compiler_options)
     if inputs:
         out["input_sha256"] = {str(p): file_sha256(p) for p in inputs}
     return out
 
 
 def record(run_dir: str | Path, command: str | None, first_round: int, plugins=(),
-           inputs=()) -> None:
+           inputs=(), compiler_options=None) -> None:
     """Appends this process's command and environment to the run directory's records."""
     run = RunDir(run_dir)
     if command:
         with open(run.commands, "a") as f:
             f.write(command + "\n")
     with open(run.environment, "a") as f:
-        f.write(json.dumps(environment(command, first_round, plugins, inputs)) + "\n")
+        f.write(json.dumps(environment(command, first_round, plugins, inputs,
+                                      compiler_options)) + "\n")
 
 
 def recorded_plugin_dirs(run_dir: str | Path) -> tuple[str, ...]:

@@ -2,6 +2,7 @@
 
 import json
 import logging
+import os
 import subprocess
 import sys
 
@@ -9,6 +10,8 @@ import numpy as np
 import pytest
 
 from fedjax_rcl.cli import main
+from fedjax_rcl.config import load_config
+from fedjax_rcl.experiment import compile_options
 
 BAD = [
     (["rounds=0"], "rounds"),
@@ -209,6 +212,9 @@ def test_runs_record_their_commands_and_environment(tmp_path):
         assert e["backend"] == "cpu" and e["device_kinds"]
         assert {"python", "jax", "jaxlib", "flax", "optax", "numpy"} <= set(e["versions"])
         assert e["cpu"]["cores"] >= 1 and "model_name" in e["cpu"]
+        # The XLA settings the programs compiled with (the tests' flags, the model's options).
+        assert e["xla_flags"] == os.environ.get("XLA_FLAGS", "")
+        assert e["compiler_options"] == compile_options(load_config(None, []).model)
 
 
 def test_progress_line_rate_and_eta():

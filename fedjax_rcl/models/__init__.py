@@ -101,13 +101,18 @@ _NORMS = ("group", "batch", "twin")
 # Smallest input: two valid 5x5 convolutions, each followed by a 2x2 pool: H -> (H - 4) // 2
 # -> ((H - 4) // 2 - 4) // 2 >= 1 needs H >= 16 (at 14 and 15 the second pool is empty; below,
 # the second convolution does not fit).
+# On a CPU the two small CNNs compile without XLA's YNNPACK fusions: their max-pools then run
+# as XLA's own loops, and their rounds take less time (BENCHMARKS.md); pfl_cnn and the ResNets
+# keep XLA's default, under which they are faster.
+_NO_YNN_FUSIONS = (("xla_cpu_experimental_ynn_fusion_type", ""),)
 registry.register_model("cnn", _lazy(_cnn), num_levels=4, norms=("group",), num_blocks=4,
-                        min_input_size=16)
+                        min_input_size=16, cpu_xla_options=_NO_YNN_FUSIONS)
 # MOON's tables train every method on its ``ModelFedCon(simple-cnn)``: the same CNN, then the
 # projection head (84 -> 84 -> 256 by default, ``moon.projection_dim`` under MOON) and the
 # classifier on the projection's output.
 registry.register_model("moon_cnn", _lazy(_cnn, "build_fedcon"), num_levels=4,
-                        norms=("group",), num_blocks=4, min_input_size=16)
+                        norms=("group",), num_blocks=4, min_input_size=16,
+                        cpu_xla_options=_NO_YNN_FUSIONS)
 # Smallest input: every convolution is padded (a stride-2 3x3 with padding 1 maps H to
 # (H + 1) // 2 >= 1), and there is no pool before the global mean: any H >= 1.
 registry.register_model("mobilenet_v2", _lazy(_mobilenet), num_levels=7, norms=_NORMS,
