@@ -121,6 +121,23 @@ def toy():
     return toy_dataset()
 
 
+# The tests' shared tiny run: FedAvg on 4 digits clients, 2 a round, one local epoch.
+TINY_RUN = ("dataset=digits", "algorithm=fedavg", "num_clients=4", "participation=0.5",
+            "local_epochs=1", "partition=iid")
+
+
+@pytest.fixture(scope="session")
+def tiny_run(tmp_path_factory) -> Path:
+    """``TINY_RUN`` trained to round 4, checkpoints at rounds 0, 2 and 4: one finished run
+    that every test needing one reads, trained once per process (each pytest-xdist worker).
+    Tests read it or copy it; none changes it."""
+    import fedjax_rcl
+
+    run = tmp_path_factory.mktemp("tiny_run") / "run"
+    fedjax_rcl.train(None, *TINY_RUN, "rounds=4", "checkpoint_every=2", f"run_dir={run}")
+    return run
+
+
 def _plugin_modules(entries) -> set[str]:
     """Top-level names of the user modules that registered ``entries`` (a plugin's entries name
     it as their origin; a model's, which has none, is its builder's module), not the package's

@@ -6,12 +6,12 @@ import re
 from pathlib import Path
 
 import pytest
+from conftest import TINY_RUN
 
 import fedjax_rcl
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "python.md"
-TINY = ["algorithm=fedavg", "num_clients=4", "participation=0.5", "local_epochs=1",
-        "partition=iid"]
+TINY = list(TINY_RUN)  # the shared tiny run's settings (conftest)
 
 
 def _rows(run_dir):
@@ -38,8 +38,9 @@ def test_the_documented_example_runs_and_runs_again(tmp_path, monkeypatch, capsy
 
 
 @pytest.mark.slow  # an end-to-end run and its resume (CI's second step)
-def test_a_callback_stops_the_run_cleanly_and_resume_gives_the_uninterrupted_result(tmp_path):
-    whole = fedjax_rcl.train(None, *TINY, "rounds=4", f"run_dir={tmp_path / 'whole'}")
+def test_a_callback_stops_the_run_cleanly_and_resume_gives_the_uninterrupted_result(tmp_path,
+                                                                                  tiny_run):
+    whole = fedjax_rcl.load(tiny_run)  # TINY's 4 rounds (its checkpoints every 2)
     assert [r["round"] for r in whole.metrics] == [1, 2, 3, 4] and not whole.stopped_early
     seen = []
 
@@ -88,7 +89,7 @@ def test_bad_input_raises_the_command_lines_message(tmp_path):
 
 
 def test_evaluate_takes_a_single_run_and_a_grid_and_refuses_an_mfcl_run_in_one_line(
-        tmp_path, capsys):
+        tmp_path, capsys, tiny_run):
     """``evaluate`` looks a run's kind up once (``programs.kind_of``): a single run and a grid
     (each member's checkpoint, their mean) are evaluated; MFCL, whose evaluation is the probe
     its own run writes, is refused in one line rather than read from checkpoints it does not
@@ -97,9 +98,9 @@ def test_evaluate_takes_a_single_run_and_a_grid_and_refuses_an_mfcl_run_in_one_l
     from fedjax_rcl.config import load_config, to_yaml
     from fedjax_rcl.mfcl.run import MFCL_DEFAULTS
 
-    single = fedjax_rcl.train(None, *TINY, "rounds=1", f"run_dir={tmp_path / 'single'}")
+    single = fedjax_rcl.load(tiny_run)
     ev = fedjax_rcl.evaluate(single.run_dir)
-    assert ev["round"] == 1 and ev["test_accuracy"] == pytest.approx(
+    assert ev["round"] == 4 and ev["test_accuracy"] == pytest.approx(
         single.last["test_accuracy"], abs=1e-6)
     grid = fedjax_rcl.train(None, *TINY, "rounds=1", "seeds=[0,1]",
                             f"run_dir={tmp_path / 'grid'}")

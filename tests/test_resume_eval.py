@@ -14,16 +14,11 @@ import pytest
 import fedjax_rcl
 from fedjax_rcl.cli import main
 
-TINY = ["algorithm=fedavg", "num_clients=4", "participation=0.5", "local_epochs=1",
-        "partition=iid", "dataset=digits"]
 
-
-@pytest.fixture(scope="module")
-def finished(tmp_path_factory):
-    """A run of 4 rounds, checkpoints at 0, 2 and 4."""
-    run = tmp_path_factory.mktemp("finished") / "run"
-    fedjax_rcl.train(None, *TINY, "rounds=4", "checkpoint_every=2", f"run_dir={run}")
-    return run
+@pytest.fixture
+def finished(tiny_run):
+    """The tests' shared tiny run (conftest): 4 rounds, checkpoints at 0, 2 and 4."""
+    return tiny_run
 
 
 def _snapshot(run: Path) -> dict:
