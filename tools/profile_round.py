@@ -44,7 +44,7 @@ def main() -> None:
                  num_clients=100, participation=args.clients / 100, partition="iid",
                  local_epochs=1, batch_size=50, clients_in_parallel=args.clients_in_parallel)
     exp = build(cfg, fake_cifar(100 * 100))
-    compiled = jax.jit(exp.run_round).lower(exp.state, exp.data).compile()
+    compiled = jax.jit(exp.run_round).lower(exp.state, exp.data).compile(exp.compiler_options)
     jax.block_until_ready(compiled(exp.state, exp.data))  # warm-up: kernels picked, memory held
     with tempfile.TemporaryDirectory() as log_dir:
         summary = trace_summary.profile(
