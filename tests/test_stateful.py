@@ -237,15 +237,17 @@ def test_sparse_table_matches_the_dense_one_holds_only_trained_rows_and_resumes(
     """``client_states=sparse``: the same results as the host table (bitwise: the same rows
     reach the same compiled round), rows only for the clients sampled so far (a client never
     sampled reads the initial state), and a stop and resume with more rows in the later
-    checkpoint is exact."""
+    checkpoint is exact: the sparse run stops at round 2 (fewer rows saved) and resumes to 4,
+    and equals the host table's uninterrupted run."""
     quiet = dict(progress=False, log=lambda s: None)
     base = [*TINY, f"algorithm={algorithm}", "num_clients=40", "participation=0.05",
             "checkpoint_every=2"]
-    host, sparse, cut = tmp_path / "host", tmp_path / "sparse", tmp_path / "cut"
+    host, sparse = tmp_path / "host", tmp_path / "sparse"
     train(load_config(None, [*base, "rounds=4", "client_states=host", f"run_dir={host}"]),
           **quiet)
-    train(load_config(None, [*base, "rounds=4", "client_states=sparse", f"run_dir={sparse}"]),
+    train(load_config(None, [*base, "rounds=2", "client_states=sparse", f"run_dir={sparse}"]),
           **quiet)
+    resume_single(sparse, ["rounds=4"], **quiet)
     assert _run_metrics(host) == _run_metrics(sparse)
     exp, restored = restore_run(sparse)
     exp_host, restored_host = restore_run(host)
@@ -260,14 +262,6 @@ def test_sparse_table_matches_the_dense_one_holds_only_trained_rows_and_resumes(
             jax.tree.map(np.asarray, table.row(None, c)),
             jax.tree.map(lambda t, c=c: np.asarray(t[c]), exp_host.table.rows))
     chex.assert_trees_all_equal(restored.state["server"], restored_host.state["server"])
-    # Stop at round 2 (fewer rows saved), resume to 4: the uninterrupted run.
-    train(load_config(None, [*base, "rounds=2", "client_states=sparse", f"run_dir={cut}"]),
-          **quiet)
-    resume_single(cut, ["rounds=4"], **quiet)
-    assert _run_metrics(cut) == _run_metrics(sparse)
-    a, b = restore_run(cut), restore_run(sparse)
-    chex.assert_trees_all_equal(a[1].state, b[1].state)
-    assert a[0].table.count == table.count
 
 
 def test_sparse_table_is_estimated_by_the_clients_who_can_train():
