@@ -267,18 +267,8 @@ def new_run(cfg: CoreConfig, prepare: Callable[[], Any], *, command: str | None,
             with interrupts.critical():
                 rundir.atomic_write_text(rundir.RunDir(run_dir).config, to_yaml(cfg))
             provenance.record(run_dir, command, 0, cfg.plugins, input_files(cfg),
-                              model_compiler_options(cfg))
+                              compile_options(cfg.model))
         yield run_dir, prepared
-
-
-def model_compiler_options(cfg: CoreConfig) -> dict[str, str] | None:
-    """The XLA options the run's model compiles with here (``experiment.compile_options``);
-    None for a model the registry does not hold (MFCL's encoders)."""
-    name = getattr(cfg, "model", None)
-    try:
-        return compile_options(name) if isinstance(name, str) else None
-    except ValueError:
-        return None
 
 
 def input_files(cfg: CoreConfig) -> tuple[str, ...]:
@@ -307,7 +297,7 @@ def resumed_records(run_dir: Path, cfg: CoreConfig, lines: list[str], *, command
         rundir.atomic_write_lines(run.metrics, lines)
         rundir.atomic_write_text(run.config, to_yaml(cfg))
     provenance.record(run_dir, command, first, cfg.plugins, input_files(cfg),
-                      model_compiler_options(cfg))
+                      compile_options(cfg.model))
 
 
 def load_run_config(run_dir: Path, overrides=()) -> tuple[CoreConfig, CoreConfig]:
