@@ -24,7 +24,9 @@ def _cfg(**kw):
 @pytest.mark.parametrize(
     "kw",
     [
-        {},  # balanced iid: every client the same size, no masked steps
+        # balanced iid: every client the same size, no masked steps. In the slow step: every
+        # other algorithm's round in test_algorithms is this layout against the same loop.
+        pytest.param({}, marks=pytest.mark.slow),
         {"partition": "dirichlet", "alpha": 0.5, "balanced": False, "num_clients": 6,
          "aggregation": "size"},  # uneven clients: masked steps, wrap-around batches
         {"clients_in_parallel": 1},  # one client at a time, called without vmap

@@ -219,6 +219,10 @@ def test_failed_build_is_reported_and_leaves_no_library(monkeypatch, tmp_path):
     broken = tmp_path / "broken.cc"
     broken.write_text("this is not C++\n")
     monkeypatch.setattr(onednn, "SOURCE", broken)
+    # The other source a trivial one of the same name: the build fails on the broken one
+    # without compiling the real GroupNorm kernels twice (with and without OpenMP).
+    (tmp_path / "group_norm.cc").write_text("int fedjax_group_norm_stand_in;\n")
+    monkeypatch.setattr(onednn, "GROUP_NORM_SOURCE", tmp_path / "group_norm.cc")
     monkeypatch.setenv("FEDJAX_RCL_CACHE", str(tmp_path / "cache"))
     with pytest.raises(onednn.OneDnnUnavailable, match="building broken.cc, group_norm.cc failed"):
         onednn._build(onednn._build_inputs())
