@@ -51,12 +51,14 @@ from fedjax_rcl.engine.tables import (
     choose_table,
     client_table,
     describe_table,
+    disk_free,
     table_memory_problem,
     table_rows,
 )
 from fedjax_rcl.models import ModelFns, get_model, input_size_problem, model_fns
 from fedjax_rcl.models.base import with_precision
 from fedjax_rcl.nn import resolve_conv_impl
+from fedjax_rcl.rundir import RunDir
 from fedjax_rcl.server import ServerOptimizer, server_optimizer
 from fedjax_rcl.validation import ConfigError
 
@@ -352,15 +354,23 @@ def build(cfg: CoreConfig, dataset: ImageDataset | None = None, *,
     reports = report_like(train_model, algorithm, params, model_state, dataset.image_shape,
                           cfg.batch_size, settings.num_views)
     row = jax.eval_shape(algorithm.init_client_state, params, model_state)
+    # A disk table's files live in the run directory (none without one: never chosen then).
+    table_dir = RunDir(cfg.run_dir).client_table if cfg.run_dir else None
+    disk = disk_free(table_dir) if table_dir is not None else None
     if cfg.client_states == "auto":  # resolved in the config, which the run records
-        cfg.client_states = choose_table(row, cfg.num_clients, per_round, cfg.rounds)
+        cfg.client_states = choose_table(row, cfg.num_clients, per_round, cfg.rounds,
+                                         disk=disk)
+    if cfg.client_states == "disk" and table_dir is None:
+        raise ConfigError(["client_states='disk': needs a run_dir (the table's files live "
+                           "there)"])
     rows = table_rows(cfg.client_states, cfg.num_clients, per_round, cfg.rounds)
-    too_big = table_memory_problem(cfg.client_states, cfg.algorithm, row, rows)
+    too_big = table_memory_problem(cfg.client_states, cfg.algorithm, row, rows, disk=disk)
     if too_big:
         raise ConfigError([too_big])
     table = client_table(cfg.client_states, cfg.num_clients,
                          clients_per_round(cfg.num_clients, cfg.participation), mesh,
-                         cfg.sampling_version)
+                         cfg.sampling_version, directory=table_dir,
+                         keep=cfg.keep_checkpoints + 1)
     state = init_server_state(params, model_state, algorithm, sopt, root, reports)
     state = table.place(jax.device_get(state), algorithm.init_client_state(params, model_state))
     return Experiment(cfg=cfg, dataset=dataset, parts=parts, model=model, algorithm=algorithm,

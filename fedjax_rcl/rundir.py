@@ -51,6 +51,7 @@ ENVIRONMENT_FILE = "environment.jsonl"
 PLOT_FILE = "accuracy.png"
 RESOURCES_FILE = "resources.json"
 CHECKPOINTS_DIR = "checkpoints"
+CLIENT_TABLE_DIR = "client_table"
 LOCK_FILE = ".lock"
 # What makes a directory hold a run, even one killed before its first round.
 RUN_FILES = (CONFIG_FILE, METRICS_FILE, CHECKPOINTS_DIR)
@@ -169,6 +170,12 @@ class RunDir:
     def resources(self) -> Path:
         """An MFCL run's resource counts (``resources.json``)."""
         return self.path / RESOURCES_FILE
+
+    @property
+    def client_table(self) -> Path:
+        """A disk-held client state table and its snapshots (``client_table``; never
+        committed, like the checkpoints)."""
+        return self.path / CLIENT_TABLE_DIR
 
     @property
     def lock(self) -> Path:

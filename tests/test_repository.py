@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-CHECKPOINT_FOLDERS = {"checkpoints", "checkpoints-damaged"}
+CHECKPOINT_FOLDERS = {"checkpoints", "checkpoints-damaged", "client_table"}
 
 
 def _tracked_files() -> list[str]:

@@ -201,7 +201,8 @@ def test_table_memory_is_estimated_before_anything_is_built():
                     "clients x 1.00 MB) and host memory (a CPU device's) has 10.00 GB "
                     "available; use fewer clients or a smaller model, or client_states=host "
                     "(it holds the table once, in host memory), or client_states=sparse (rows "
-                    "only for the clients who train)")
+                    "only for the clients who train), or client_states=disk (those rows in "
+                    "files)")
     assert table_memory_problem("host", "moon", row, 6000, host_free=10**10) is None
     gpu = table_memory_problem("device", "moon", row, 6000, host_free=10**9, device_free=10**9)
     assert "device memory has 1.00 GB" in gpu and "client_states=host" not in gpu
@@ -262,6 +263,70 @@ def test_sparse_table_matches_the_dense_one_holds_only_trained_rows_and_resumes(
             jax.tree.map(np.asarray, table.row(None, c)),
             jax.tree.map(lambda t, c=c: np.asarray(t[c]), exp_host.table.rows))
     chex.assert_trees_all_equal(restored.state["server"], restored_host.state["server"])
+
+
+def test_disk_table_equals_the_sparse_one_and_resumes_from_its_snapshots(tmp_path):
+    """``client_states=disk``: the rows in files under the run directory give the sparse
+    table's run bitwise (the same rows reach the same compiled round); a stop at round 2 and a
+    resume to 4 read the round-2 snapshot back; only the newest snapshots are kept; and a
+    snapshot that does not match its checkpoint, or is missing, stops the restore."""
+    import shutil
+
+    quiet = dict(progress=False, log=lambda s: None)
+    base = [*TINY, "algorithm=moon", "num_clients=40", "participation=0.05",
+            "checkpoint_every=1", "keep_checkpoints=2"]
+    sparse, disk = tmp_path / "sparse", tmp_path / "disk"
+    train(load_config(None, [*base, "rounds=4", "client_states=sparse",
+                             f"run_dir={sparse}"]), **quiet)
+    train(load_config(None, [*base, "rounds=2", "client_states=disk", f"run_dir={disk}"]),
+          **quiet)
+    resume_single(disk, ["rounds=4"], **quiet)
+    assert _run_metrics(sparse) == _run_metrics(disk)
+    exp, restored = restore_run(disk)
+    exp_sparse, restored_sparse = restore_run(sparse)
+    exp.table.restore(restored.state)
+    exp_sparse.table.restore(restored_sparse.state)
+    assert exp.table.name == "disk" and exp.table.count == exp_sparse.table.count > 0
+    np.testing.assert_array_equal(exp.table.trained(), exp_sparse.table.trained())
+    for c in range(40):
+        chex.assert_trees_all_equal(jax.tree.map(np.asarray, exp.table.row(None, c)),
+                                    jax.tree.map(np.asarray, exp_sparse.table.row(None, c)))
+    chex.assert_trees_all_equal(restored.state["server"], restored_sparse.state["server"])
+    snapshots = disk / "client_table" / "snapshots"
+    assert sorted(int(p.name) for p in snapshots.iterdir()) == [2, 3, 4]  # keep 2, and 1
+    assert isinstance(jax.tree.leaves(exp.table.store)[0], np.memmap)
+    # A snapshot that does not match its checkpoint, then one missing, is refused.
+    leaf = snapshots / "4" / "0.npy"
+    rows = np.load(leaf)
+    rows[0] += 1
+    np.save(leaf, rows)
+    with pytest.raises(ValueError, match="snapshot of round 4 does not match its checkpoint"):
+        exp.table.restore(restored.state)
+    shutil.rmtree(snapshots / "4")
+    with pytest.raises(FileNotFoundError, match="snapshot of round 4 is missing"):
+        exp.table.restore(restored.state)
+
+
+def test_disk_table_is_chosen_when_host_memory_cannot_hold_the_rows():
+    from fedjax_rcl.engine.tables import choose_table, describe_table, table_memory_problem
+
+    row = {"w": jax.ShapeDtypeStruct((1000, 250), np.float32)}  # 1 MB a client
+    # 1,000 clients can train: 1 GB, more than the host's 0.5 GB, less than the disk's 10 GB.
+    assert choose_table(row, 10**6, 10, 100, host_free=5 * 10**8, device_free=10**8,
+                        disk=10**10) == "disk"
+    assert choose_table(row, 10**6, 10, 100, host_free=10**10, device_free=10**8,
+                        disk=10**10) == "sparse"
+    assert choose_table(row, 10**6, 10, 100, host_free=5 * 10**8, device_free=10**8) == (
+        "sparse")  # no run directory: no disk table
+    assert table_memory_problem("disk", "moon", row, 1000, disk=10**10) is None
+    assert table_memory_problem("disk", "moon", row, 1000, disk=10**9) == (
+        "client_states=disk: moon's per-client state needs 2.00 GB on disk (1,000 clients "
+        "who can have trained x 1.00 MB, in the table and a checkpoint's snapshot) and the run "
+        "directory's file system has 1.00 GB free; use fewer clients, fewer rounds or a "
+        "smaller model")
+    assert describe_table("disk", row, 1000) == (
+        ", client states at most 1.00 GB on disk (rows for the 1,000 clients who can have "
+        "trained)")
 
 
 def test_sparse_table_is_estimated_by_the_clients_who_can_train():

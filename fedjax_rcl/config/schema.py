@@ -198,10 +198,12 @@ class CoreConfig:
       client_states: where the per-client state table (MOON's previous local models) lives:
         on the device, in host memory, or ``sparse``: in host memory with rows only for the
         clients that have trained (a client never sampled reads the initial state), so that
-        its memory grows with the clients who trained, not with the population; ``auto``:
-        ``device`` where the whole table fits, else ``sparse``, chosen from an estimate made
-        before anything is built and recorded in the run's config (its resume keeps it). A
-        table that cannot be held is refused.
+        its memory grows with the clients who trained, not with the population; ``disk``:
+        those rows in files memory-mapped from the run directory (``client_table/``), for
+        tables larger than host memory; ``auto``: ``device`` where the whole table fits, else
+        ``sparse`` where its rows fit in host memory, else ``disk``, chosen from an estimate
+        made before anything is built and recorded in the run's config (its resume keeps it).
+        A table that cannot be held is refused.
       norm: the normalisation of the models that offer a choice (``twin`` needs a two-view
         algorithm).
       run_dir: the run directory; null: ``runs/<dataset>-<algorithm>-<time>-<4 hex>``.

@@ -13,13 +13,21 @@ table strategy decides where the rows come from:
   larger than the device (MOON with a ResNet-18 and 100 clients holds 100 models); each round
   is one compiled call and only the sampled clients' rows cross between host and device.
 
-Both give the same results; a checkpoint holds the server state, plus the host table if any.
+* ``SparseTable`` (``client_states=sparse``): host memory, rows only for the clients that have
+  trained (a client never sampled reads the initial state).
+* ``DiskTable`` (``client_states=disk``): as ``sparse``, its rows in files memory-mapped from
+  the run directory, for tables larger than host memory.
+
+All give the same results; a checkpoint holds the server state, plus the host table if any (a
+disk table's rows in a snapshot beside it: ``DiskTable``).
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, Protocol
 
 import jax
@@ -34,7 +42,7 @@ from fedjax_rcl.types import ClientState, Metrics
 # ``advance(state, n) -> (state, metrics)``: ``n`` rounds, metrics as NumPy ``[n, ...]``.
 Advance = Callable[[ServerState, int], tuple[ServerState, dict]]
 
-CLIENT_TABLES = ("device", "host", "sparse", "auto")
+CLIENT_TABLES = ("device", "host", "sparse", "disk", "auto")
 
 
 class ClientTable(Protocol):
@@ -253,15 +261,18 @@ class SparseTable(HostTable):
         need = self.count + len(fresh)
         capacity = jax.tree.leaves(self.store)[0].shape[0] if jax.tree.leaves(self.store) else 0
         if need > capacity:  # grow by doubling: amortised O(1) a row
-            grown = max(need, 2 * capacity, 16)
-            self.store = jax.tree.map(
-                lambda t: np.concatenate([t, np.zeros((grown - t.shape[0], *t.shape[1:]),
-                                                      t.dtype)]), self.store)
+            self._grow(max(need, 2 * capacity, 16))
         self.slot[fresh] = np.arange(self.count, need)
         self.count = need
         for table, new in zip(jax.tree.leaves(self.store), jax.tree.leaves(new_rows),
                               strict=True):
             table[self.slot[ids]] = new
+
+    def _grow(self, capacity: int) -> None:
+        """Room for ``capacity`` rows, the rows held kept."""
+        self.store = jax.tree.map(
+            lambda t: np.concatenate([t, np.zeros((capacity - t.shape[0], *t.shape[1:]),
+                                                  t.dtype)]), self.store)
 
     def row(self, state: ServerState, client: int) -> ClientState:
         del state
@@ -292,6 +303,134 @@ class SparseTable(HostTable):
         return tree["server"]
 
 
+# Bytes copied at a time between a disk table's files (its store and its snapshots).
+_CHUNK_BYTES = 64 << 20
+
+
+def _copy_rows(dst: np.ndarray, src: np.ndarray, n: int) -> None:
+    """``dst[:n] = src[:n]`` a chunk at a time (both may be files mapped into memory larger
+    than it)."""
+    step = max(1, _CHUNK_BYTES // max(1, src[:1].nbytes))
+    for a in range(0, n, step):
+        dst[a:min(n, a + step)] = src[a:min(n, a + step)]
+
+
+class DiskTable(SparseTable):
+    """``SparseTable`` with its rows in files: one per leaf of the client state under
+    ``directory`` (``store/<i>.bin``, leaves ``[capacity, ...]``, memory-mapped, grown by
+    doubling), so that a table larger than host memory is held; the operating system keeps
+    in memory the pages the rounds touch. Only ``slot`` (8 bytes a client of the population)
+    stays in memory.
+
+    Orbax copies host arrays into memory before it writes them, and restores each array whole,
+    so the rows do not go through it: ``checkpoint`` writes the trained rows, as of the
+    checkpoint's round, to a snapshot (``snapshots/<round>/<i>.npy``, written under a
+    temporary name and renamed when complete) and gives Orbax the clients' ids and each leaf's
+    float64 sum (no snapshot while no client has trained); ``restore`` reads the snapshot of
+    the checkpoint's round back, checking the sums. The snapshots of the newest ``keep``
+    rounds are kept (the checkpoints a restore can fall back to), older ones removed."""
+
+    name = "disk"
+
+    def __init__(self, num_clients: int, per_round: int, mesh: Mesh | None = None,
+                 sampling: int = 1, *, directory: str | Path, keep: int = 3):
+        super().__init__(num_clients, per_round, mesh, sampling)
+        self.directory, self.keep = Path(directory), max(1, keep)
+
+    def _files(self) -> list[Path]:
+        return [self.directory / "store" / f"{i}.bin"
+                for i in range(len(jax.tree.leaves(self.initial)))]
+
+    def place(self, state: ServerState, row: ClientState) -> ServerState:
+        state = super().place(state, row)
+        (self.directory / "store").mkdir(parents=True, exist_ok=True)
+        for path in self._files():  # a new table: no row of an earlier process is read
+            path.unlink(missing_ok=True)
+        self._grow(16)
+        return state
+
+    def _grow(self, capacity: int) -> None:
+        leaves, treedef = jax.tree.flatten(self.initial)
+        grown = []
+        for path, init in zip(self._files(), leaves, strict=True):
+            with open(path, "a+b") as f:  # existing rows stay where they are
+                f.truncate(capacity * init.nbytes)
+            grown.append(np.memmap(path, init.dtype, "r+", shape=(capacity, *init.shape)))
+        self.store = jax.tree.unflatten(treedef, grown)
+
+    def _snapshot(self, step: int) -> Path:
+        return self.directory / "snapshots" / str(step)
+
+    def checkpoint(self, state: ServerState):
+        step, n = int(jax.device_get(state.round)), self.count
+        sums = [0.0] * len(jax.tree.leaves(self.initial))
+        if n:  # no rows (a fresh table, or the template a restore reads into): no snapshot
+            sums = self._write_snapshot(step, n)
+        return {"server": state, "sparse": {
+            "ids": np.concatenate([[-1], self.trained()]).astype(np.int64),
+            "sums": np.asarray(sums, np.float64)}}
+
+    def _write_snapshot(self, step: int, n: int) -> list[float]:
+        """The first ``n`` rows of the store as the snapshot of round ``step``; each leaf's
+        sum."""
+        final = self._snapshot(step)
+        tmp = final.with_name(f"{step}.tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        sums = []
+        for i, table in enumerate(jax.tree.leaves(self.store)):
+            out = np.lib.format.open_memmap(tmp / f"{i}.npy", "w+", table.dtype,
+                                            (n, *table.shape[1:]))
+            _copy_rows(out, table, n)
+            out.flush()
+            sums.append(_leaf_sum(out))
+            del out
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        self._prune(step)
+        return sums
+
+    def _prune(self, newest: int) -> None:
+        """Removes the snapshots older than the newest ``keep`` (and none newer than
+        ``newest``: a run resumed from an older checkpoint writes its rounds again)."""
+        steps = sorted(int(p.name) for p in (self.directory / "snapshots").iterdir()
+                       if p.name.isdigit())
+        for old in [x for x in steps if x <= newest][:-self.keep]:
+            shutil.rmtree(self._snapshot(old), ignore_errors=True)
+
+    def restore(self, tree) -> ServerState:
+        step = int(np.asarray(jax.device_get(tree["server"].round)))
+        ids = np.asarray(tree["sparse"]["ids"], np.int64)[1:]
+        snapshot = self._snapshot(step)
+        leaves = jax.tree.leaves(self.initial)
+        files = [snapshot / f"{i}.npy" for i in range(len(leaves))]
+        if len(ids) and not all(f.is_file() for f in files):
+            raise FileNotFoundError(f"client_states=disk: the table's snapshot of round {step} "
+                                    f"is missing ({snapshot})")
+        self.slot[:] = -1
+        self.slot[ids] = np.arange(len(ids))
+        self.count = len(ids)
+        capacity = jax.tree.leaves(self.store)[0].shape[0]
+        if self.count > capacity:
+            self._grow(max(self.count, 2 * capacity))
+        for f, table, want in zip(files, jax.tree.leaves(self.store), tree["sparse"]["sums"],
+                                  strict=True):
+            if not self.count:
+                break
+            saved = np.load(f, mmap_mode="r")
+            if saved.shape[0] != self.count or _leaf_sum(saved) != float(want):
+                raise ValueError(f"client_states=disk: the table's snapshot of round {step} "
+                                 f"does not match its checkpoint ({f})")
+            _copy_rows(table, saved, self.count)
+        return tree["server"]
+
+
+def _leaf_sum(a: np.ndarray) -> float:
+    """A leaf's float64 sum, a chunk at a time."""
+    step = max(1, _CHUNK_BYTES // max(1, a[:1].nbytes))
+    return float(sum(np.sum(a[i:i + step], dtype=np.float64) for i in range(0, len(a), step)))
+
+
 def available_memory() -> int:
     """Bytes of host memory available now (Linux's ``MemAvailable``; else the free pages)."""
     try:
@@ -301,6 +440,15 @@ def available_memory() -> int:
     except OSError:
         pass
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def disk_free(directory: str | Path) -> int:
+    """Bytes free on the file system that holds ``directory`` (or its nearest existing
+    parent)."""
+    path = Path(directory).absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return shutil.disk_usage(path).free
 
 
 def device_memory_free(device=None) -> int | None:
@@ -327,21 +475,32 @@ def table_bytes(row: ClientState, num_clients: int) -> tuple[int, int]:
 
 def table_rows(where: str, num_clients: int, per_round: int, rounds: int) -> int:
     """The rows a table holds at most: every client's (dense tables), or one for each client
-    that can have trained by round ``rounds`` (``sparse``)."""
-    return min(num_clients, per_round * rounds) if where == "sparse" else num_clients
+    that can have trained by round ``rounds`` (``sparse``, ``disk``)."""
+    return (min(num_clients, per_round * rounds) if where in ("sparse", "disk")
+            else num_clients)
 
 
 def table_memory_problem(where: str, algorithm: str, row: ClientState, num_clients: int, *,
-                         host_free: int | None = None,
-                         device_free: int | None = None) -> str | None:
+                         host_free: int | None = None, device_free: int | None = None,
+                         disk: int | None = None) -> str | None:
     """One line saying that the per-client table cannot be held where ``client_states``
     puts it, with what it needs and what there is (None when it fits). Checked before anything
     is built or compiled. On a CPU a device table is held twice while it is placed (the host
-    copy it is made from and the device's), a host table once. ``num_clients``: the rows it
-    holds at most (``table_rows``)."""
+    copy it is made from and the device's), a host table once; a disk table takes its rows
+    once in its store and once in each snapshot a checkpoint keeps, against ``disk`` (bytes
+    free where the run directory is). ``num_clients``: the rows it holds at most
+    (``table_rows``)."""
     row_bytes, total = table_bytes(row, num_clients)
     if not total:
         return None
+    if where == "disk":
+        need, have = 2 * total, disk if disk is not None else 0
+        if need <= 0.9 * have:
+            return None
+        return (f"client_states=disk: {algorithm}'s per-client state needs {_gb(need)} on "
+                f"disk ({num_clients:,} clients who can have trained x {_gb(row_bytes)}, in "
+                f"the table and a checkpoint's snapshot) and the run directory's file system "
+                f"has {_gb(have)} free; use fewer clients, fewer rounds or a smaller model")
     host_free = available_memory() if host_free is None else host_free
     if where == "device":
         device_free = device_memory_free() if device_free is None else device_free
@@ -355,6 +514,7 @@ def table_memory_problem(where: str, algorithm: str, row: ClientState, num_clien
             if where == "device" and total <= 0.9 * host_free else "")
     if where != "sparse":
         hint += ", or client_states=sparse (rows only for the clients who train)"
+    hint += ", or client_states=disk (those rows in files)"
     what = "clients" if where != "sparse" else "clients who can have trained"
     return (f"client_states={where}: {algorithm}'s per-client state needs {_gb(need)} "
             f"({num_clients:,} {what} x {_gb(row_bytes)}) and {place} has {_gb(have)} "
@@ -362,14 +522,20 @@ def table_memory_problem(where: str, algorithm: str, row: ClientState, num_clien
 
 
 def choose_table(row: ClientState, num_clients: int, per_round: int, rounds: int, *,
-                 host_free: int | None = None, device_free: int | None = None) -> str:
+                 host_free: int | None = None, device_free: int | None = None,
+                 disk: int | None = None) -> str:
     """``client_states=auto``: ``device`` when the whole table fits there (the fastest: rows
     move inside the compiled program), else ``sparse`` (rows only for the clients who train,
-    in host memory; refused later in one line if even that cannot be held)."""
+    in host memory) when those fit, else ``disk`` (the same rows in files; ``disk``: bytes
+    free for them, refused later in one line if even that cannot hold them)."""
     if table_memory_problem("device", "", row, num_clients, host_free=host_free,
                             device_free=device_free) is None:
         return "device"
-    return "sparse"
+    rows = table_rows("sparse", num_clients, per_round, rounds)
+    if disk is None or table_memory_problem("sparse", "", row, rows,
+                                            host_free=host_free) is None:
+        return "sparse"
+    return "disk"
 
 
 def describe_table(where: str, row: ClientState, num_clients: int) -> str:
@@ -378,17 +544,25 @@ def describe_table(where: str, row: ClientState, num_clients: int) -> str:
     _, total = table_bytes(row, num_clients)
     if not total:
         return ""
-    if where == "sparse":
-        return (f", client states at most {_gb(total)} in host memory (rows for the "
+    if where in ("sparse", "disk"):
+        place = "in host memory" if where == "sparse" else "on disk"
+        return (f", client states at most {_gb(total)} {place} (rows for the "
                 f"{num_clients:,} clients who can have trained)")
     return f", client states {_gb(total)} on the {where}"
 
 
 def client_table(where: str, num_clients: int, per_round: int,
-                 mesh: Mesh | None = None, sampling: int = 1) -> ClientTable:
-    """The strategy ``client_states=where`` names (``device``, ``host`` or ``sparse``;
-    ``auto`` is resolved by ``choose_table`` before)."""
+                 mesh: Mesh | None = None, sampling: int = 1, *,
+                 directory: str | Path | None = None, keep: int = 3) -> ClientTable:
+    """The strategy ``client_states=where`` names (``device``, ``host``, ``sparse`` or
+    ``disk``, whose files go under ``directory`` and whose snapshots follow the ``keep``
+    newest checkpoints; ``auto`` is resolved by ``choose_table`` before)."""
     tables = {"device": DeviceTable, "host": HostTable, "sparse": SparseTable}
+    if where == "disk":
+        if directory is None:
+            raise ValueError("client_states='disk' needs a directory for its files")
+        return DiskTable(num_clients, per_round, mesh, sampling, directory=directory,
+                         keep=keep)
     if where not in tables:
         raise ValueError(f"client_states={where!r}: allowed: {', '.join(CLIENT_TABLES)}")
     return tables[where](num_clients, per_round, mesh, sampling)
