@@ -356,7 +356,8 @@ def build(cfg: CoreConfig, dataset: ImageDataset | None = None, *,
     row = jax.eval_shape(algorithm.init_client_state, params, model_state)
     # A disk table's files live in the run directory (none without one: never chosen then).
     table_dir = RunDir(cfg.run_dir).client_table if cfg.run_dir else None
-    disk = disk_free(table_dir) if table_dir is not None else None
+    disk = (disk_free(table_dir) if table_dir is not None
+            and cfg.client_states in ("auto", "disk") else None)
     if cfg.client_states == "auto":  # resolved in the config, which the run records
         cfg.client_states = choose_table(row, cfg.num_clients, per_round, cfg.rounds,
                                          disk=disk)

@@ -307,10 +307,15 @@ class SparseTable(HostTable):
 _CHUNK_BYTES = 64 << 20
 
 
+def _chunk_rows(a: np.ndarray) -> int:
+    """Rows of ``a`` in one chunk of ``_CHUNK_BYTES``."""
+    return max(1, _CHUNK_BYTES // max(1, a[:1].nbytes))
+
+
 def _copy_rows(dst: np.ndarray, src: np.ndarray, n: int) -> None:
     """``dst[:n] = src[:n]`` a chunk at a time (both may be files mapped into memory larger
     than it)."""
-    step = max(1, _CHUNK_BYTES // max(1, src[:1].nbytes))
+    step = _chunk_rows(src)
     for a in range(0, n, step):
         dst[a:min(n, a + step)] = src[a:min(n, a + step)]
 
@@ -427,7 +432,7 @@ class DiskTable(SparseTable):
 
 def _leaf_sum(a: np.ndarray) -> float:
     """A leaf's float64 sum, a chunk at a time."""
-    step = max(1, _CHUNK_BYTES // max(1, a[:1].nbytes))
+    step = _chunk_rows(a)
     return float(sum(np.sum(a[i:i + step], dtype=np.float64) for i in range(0, len(a), step)))
 
 
