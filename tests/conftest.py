@@ -127,14 +127,29 @@ TINY_RUN = ("dataset=digits", "algorithm=fedavg", "num_clients=4", "participatio
 
 
 @pytest.fixture(scope="session")
-def tiny_run(tmp_path_factory) -> Path:
+def tiny_run(request, tmp_path_factory) -> Path:
     """``TINY_RUN`` trained to round 4, checkpoints at rounds 0, 2 and 4: one finished run
-    that every test needing one reads, trained once per process (each pytest-xdist worker).
-    Tests read it or copy it; none changes it."""
+    that every test needing one reads, trained once per test session. The first worker to
+    need it trains it into the session's cache directory under a file lock (the other waits
+    for it); each worker then reads its own copy, so no two processes ever open one run
+    directory. Tests read it or copy it; none changes it."""
+    import fcntl
+
     import fedjax_rcl
 
+    workerinput = getattr(request.config, "workerinput", {})
+    session = workerinput.get("testrunuid") or f"pid{os.getpid()}"  # shared by the workers
+    shared = Path(os.environ["FEDJAX_RCL_CACHE"]) / f"tiny_run-{session}"
+    shared.mkdir(parents=True, exist_ok=True)
+    with open(shared / "lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file is closed
+        if not (shared / "done").exists():
+            shutil.rmtree(shared / "run", ignore_errors=True)
+            fedjax_rcl.train(None, *TINY_RUN, "rounds=4", "checkpoint_every=2",
+                             f"run_dir={shared / 'run'}")
+            (shared / "done").touch()
     run = tmp_path_factory.mktemp("tiny_run") / "run"
-    fedjax_rcl.train(None, *TINY_RUN, "rounds=4", "checkpoint_every=2", f"run_dir={run}")
+    shutil.copytree(shared / "run", run)
     return run
 
 

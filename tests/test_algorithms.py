@@ -26,15 +26,18 @@ def _cfg(**kw):
 # The client algorithms `train` runs (MFCL's phase 1 runs with `fedjax-rcl mfcl`, on its own
 # model; tests/test_mfcl.py).
 TRAIN_ALGORITHMS = sorted(n for n, e in ALGORITHMS.items() if e.command == "train")
-# Algorithms whose round differs from FedAvg's only by the local objective, each objective
-# tested against NumPy on its own (test_baseline_losses, test_fedntd, test_losses; FedAvg's
-# round in test_engine): their compiled round against the client-by-client loop runs in the
-# slow step, their round's trace in the default one.
-OBJECTIVE_ONLY = ("fedavg", "feddecorr", "fedlc", "fedntd", "fedprox", "fedscl")
+# The compiled round against the client-by-client loop, in the default step for one algorithm
+# of each kind: FedRCL (two views, the multi-level objective), MOON (a per-client state table)
+# and SCAFFOLD (server state and control variates). The others' in the slow step, and their
+# round's trace in the default one. Most local objectives are also checked against NumPy on
+# their own (test_baseline_losses, test_fedntd, test_fedmlb, test_losses, test_stateful);
+# FedCL's and FitNet's only through this round, in the slow step.
+ROUND_IN_DEFAULT_STEP = ("fedrcl", "moon", "scaffold")
+ROUND_IN_SLOW_STEP = tuple(n for n in TRAIN_ALGORITHMS if n not in ROUND_IN_DEFAULT_STEP)
 
 
 @pytest.mark.parametrize("name", [
-    pytest.param(n, marks=[pytest.mark.slow] if n in OBJECTIVE_ONLY else [])
+    pytest.param(n, marks=[pytest.mark.slow] if n in ROUND_IN_SLOW_STEP else [])
     for n in TRAIN_ALGORITHMS])
 def test_every_algorithm_runs_a_round_and_matches_sequential(toy, name):
     exp = build(_cfg(algorithm=name), toy)
@@ -46,7 +49,7 @@ def test_every_algorithm_runs_a_round_and_matches_sequential(toy, name):
     assert np.isfinite(float(metrics["loss"]))
 
 
-@pytest.mark.parametrize("name", OBJECTIVE_ONLY)
+@pytest.mark.parametrize("name", ROUND_IN_SLOW_STEP)
 def test_every_algorithm_traces_a_round(toy, name):
     """The round of each algorithm compared with the loop in the slow step only: it traces,
     and its outputs have the round's shapes (parameters and client states keep theirs, one loss
@@ -59,6 +62,7 @@ def test_every_algorithm_traces_a_round(toy, name):
     assert metrics["loss"].shape == ()
 
 
+@pytest.mark.slow
 def test_moon_state_table_holds_exactly_the_sampled_clients_models(toy):
     exp = build(_cfg(algorithm="moon", num_clients=8, participation=0.25), toy)
     before = exp.state
@@ -78,6 +82,7 @@ def test_moon_state_table_holds_exactly_the_sampled_clients_models(toy):
             chex.assert_trees_all_equal(row, exp.state.params)
 
 
+@pytest.mark.slow
 def test_moon_term_uses_this_clients_previous_model(toy):
     """One local step from a table of four different previous models: the local model still
     equals the global one at that step, so the MOON term is mean_i softplus((cos(z_g, z_prev)
@@ -147,6 +152,7 @@ def _descend(algorithm, module, batch, steps=15, lr=0.05):
     return history
 
 
+@pytest.mark.slow
 def test_fedrcl_local_loss_decreases_on_a_fixed_batch(toy):
     history = _descend(fedrcl(), get_model("cnn", num_classes=4), _fixed_batch(toy))
     values = [v for v, _ in history]
@@ -191,6 +197,7 @@ def test_twin_norm_with_a_one_view_algorithm_is_a_config_error():
         validate(Config(model="resnet18", norm="twin", algorithm="fedrcl"), check_data=False)
 
 
+@pytest.mark.slow
 def test_moon_two_rounds_vmapped_equal_a_client_by_client_loop_with_its_own_table(toy):
     """Round 2 reads each client's round-1 local model from the table (every client trains
     every round here, so every negative is a real previous model, not the global one): the

@@ -37,6 +37,7 @@ def test_subset_is_class_balanced_whatever_the_order():
     assert len(analysis_subset(labels, 10_000)) == len(labels)
 
 
+@pytest.mark.slow
 def test_local_model_is_the_one_the_next_round_trains(toy):
     """One client per round and plain averaging: the next global model IS that client's local
     model, so its analysis equals the local analysis taken before the round."""
@@ -52,6 +53,7 @@ def test_local_model_is_the_one_the_next_round_trains(toy):
     assert before["global_effective_rank"] != pytest.approx(after["global_effective_rank"])
 
 
+@pytest.mark.slow
 def test_participation_counts_the_sampled_clients(toy):
     exp = build(_cfg(participation=0.5), toy)
     analyze = exp.analysis(60)
@@ -63,6 +65,7 @@ def test_participation_counts_the_sampled_clients(toy):
     assert sum(seen) == 9
 
 
+@pytest.mark.slow
 def test_metrics_jsonl_rows_and_validation(tmp_path, capsys):
     run = tmp_path / "run"
     args = ["dataset=digits", "num_clients=10", "participation=0.5", "local_epochs=1",

@@ -64,6 +64,7 @@ def test_a_callback_stops_the_run_cleanly_and_resume_gives_the_uninterrupted_res
         f"python: fedjax_rcl.resume({str(part.run_dir)!r})"]
 
 
+@pytest.mark.slow
 def test_configs_from_a_dict_a_yaml_path_and_overrides(tmp_path):
     path = tmp_path / "exp.yaml"
     path.write_text("algorithm: fedavg\nrounds: 1\nnum_clients: 4\nlocal_epochs: 1\n")
@@ -88,6 +89,7 @@ def test_bad_input_raises_the_command_lines_message(tmp_path):
         fedjax_rcl.train(42)
 
 
+@pytest.mark.slow
 def test_evaluate_takes_a_single_run_and_a_grid_and_refuses_an_mfcl_run_in_one_line(
         tmp_path, capsys, tiny_run):
     """``evaluate`` looks a run's kind up once (``programs.kind_of``): a single run and a grid

@@ -171,15 +171,15 @@ def test_decorrelation_values_and_gradients(seed, shape):
 
 
 def test_decorrelation_edge_cases():
-    assert float(decorrelation_loss(jnp.ones((1, 4)))) == 0.0  # one sample
+    loss = jax.jit(decorrelation_loss)  # eagerly, each operation compiles on its own
+    assert float(loss(jnp.ones((1, 4)))) == 0.0  # one sample
     x = np.random.default_rng(5).normal(size=(5, 3))
     x[:, 1] = 2.0  # a constant dimension
-    g = np.asarray(jax.grad(decorrelation_loss)(jnp.asarray(x)))
+    g = np.asarray(jax.jit(jax.grad(decorrelation_loss))(jnp.asarray(x)))
     assert np.all(np.isfinite(g))
-    np.testing.assert_allclose(float(decorrelation_loss(jnp.asarray(x))), ref_decorr(x),
-                               rtol=1e-10)
+    np.testing.assert_allclose(float(loss(jnp.asarray(x))), ref_decorr(x), rtol=1e-10)
     maps = np.random.default_rng(6).normal(size=(4, 2, 2, 3))  # pooled by spatial mean
-    np.testing.assert_allclose(float(decorrelation_loss(jnp.asarray(maps))),
+    np.testing.assert_allclose(float(loss(jnp.asarray(maps))),
                                ref_decorr(maps.mean(axis=(1, 2))), rtol=1e-10)
 
 
@@ -228,8 +228,8 @@ def test_prototype_loss_without_prototypes_is_zero_with_finite_gradient():
     f, y = np.random.default_rng(8).normal(size=(3, 2)), np.array([1, 1, 1])
     fn = lambda v: prototype_contrastive_loss(v, jnp.asarray(y), jnp.zeros((3, 2)),
                                               jnp.zeros(3, bool))
-    assert float(fn(jnp.asarray(f))) == 0.0
-    assert np.all(np.asarray(jax.grad(fn)(jnp.asarray(f))) == 0)
+    assert float(jax.jit(fn)(jnp.asarray(f))) == 0.0
+    assert np.all(np.asarray(jax.jit(jax.grad(fn))(jnp.asarray(f))) == 0)
 
 
 def test_prototype_loss_with_a_zero_feature_row_has_a_finite_gradient():
@@ -239,9 +239,9 @@ def test_prototype_loss_with_a_zero_feature_row_has_a_finite_gradient():
     protos, present = rng.normal(size=(3, 3)), np.array([True, True, True])
     fn = lambda v: prototype_contrastive_loss(v, jnp.asarray(y), jnp.asarray(protos),
                                               jnp.asarray(present))
-    np.testing.assert_allclose(float(fn(jnp.asarray(f))), ref_proto(f, y, protos, present, 0.5),
-                               rtol=1e-10)
-    assert np.all(np.isfinite(np.asarray(jax.grad(fn)(jnp.asarray(f)))))
+    np.testing.assert_allclose(float(jax.jit(fn)(jnp.asarray(f))),
+                               ref_proto(f, y, protos, present, 0.5), rtol=1e-10)
+    assert np.all(np.isfinite(np.asarray(jax.jit(jax.grad(fn))(jnp.asarray(f)))))
 
 
 # ---- FedMLB ----

@@ -1,16 +1,23 @@
 """Runs never lose work: exact resume, damaged checkpoints (signals and kills at named moments:
-test_interrupts.py)."""
+test_interrupts.py). ``resume`` of a run already past the rounds asked for changes nothing;
+``eval`` says which checkpoint it evaluated, falls back from a damaged newest one with one
+warning line (recorded in its JSON), and with ``--strict`` refuses to."""
 
 import json
 import logging
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import chex
 import jax
 import numpy as np
 import pytest
+from conftest import TINY_RUN
 
+import fedjax_rcl
 from fedjax_rcl.cli import main
 from fedjax_rcl.config import ConfigError, load_config
 from fedjax_rcl.training import evaluate_run, restore_run, resume_single, train
@@ -46,28 +53,42 @@ def reference(tmp_path_factory):
     return run
 
 
-def test_stop_and_resume_is_identical(reference, tmp_path):
+def test_stop_and_resume_is_identical(tiny_run, tmp_path):
+    """The tests' shared tiny run (conftest: FedAvg, 4 rounds, checkpoints every 2) stopped
+    after round 2 and resumed to round 4 in a second process call: the same metrics and,
+    bitwise, the same final state as the run that went through. FedRCL's in the slow step."""
+    run = tmp_path / "run"
+    train(load_config(None, [*TINY_RUN, "rounds=2", "checkpoint_every=2", f"run_dir={run}"]),
+          progress=False, log=lambda s: None)
+    assert [r["round"] for r in _metrics(run)] == [1, 2]
+    resume_single(run, ["rounds=4"], progress=False, log=lambda s: None)
+    assert _metrics(run) == _metrics(tiny_run)
+    # Timing: per-round wall time, and loop time that keeps adding up across the resume
+    # (the first call ended with round 2's checkpoint; rounds 3-4 ran in the second).
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["round_s"] > 0 for r in rows)
+    totals = [r["total_s"] for r in rows]
+    assert totals == sorted(totals) and totals[2] > totals[1] == rows[1]["elapsed_s"]
+    assert rows[2]["total_s"] == pytest.approx(rows[1]["total_s"] + rows[2]["elapsed_s"],
+                                               abs=2e-3)
+    _assert_same_state(_final_state(run), _final_state(tiny_run))
+    assert "rounds: 4" in (run / "config.yaml").read_text()
+
+
+@pytest.mark.slow
+def test_stop_and_resume_of_fedrcl_is_identical(reference, tmp_path):
     run = tmp_path / "run"
     train(load_config(None, [*TINY, "rounds=3", "checkpoint_every=2", f"run_dir={run}"]),
           progress=False, log=lambda s: None)
     assert [r["round"] for r in _metrics(run)] == [1, 2, 3]
     resume_single(run, ["rounds=6"], progress=False, log=lambda s: None)
     assert _metrics(run) == _metrics(reference)
-    # Timing: per-round wall time, and loop time that keeps adding up across the resume
-    # (the first process ended with round 3's checkpoint; rounds 4-6 ran in the second).
-    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-    assert all(r["round_s"] > 0 for r in rows)
-    totals = [r["total_s"] for r in rows]
-    assert totals == sorted(totals) and totals[3] > totals[2] == rows[2]["elapsed_s"]
-    assert rows[3]["total_s"] == pytest.approx(rows[2]["total_s"] + rows[3]["elapsed_s"],
-                                               abs=2e-3)
     _assert_same_state(_final_state(run), _final_state(reference))
-    assert "rounds: 6" in (run / "config.yaml").read_text()
 
 
-def test_resume_refuses_result_changing_overrides(reference, tmp_path, capsys):
+def test_resume_refuses_result_changing_overrides(tiny_run, tmp_path, capsys):
     run = tmp_path / "copy"
-    shutil.copytree(reference, run)
+    shutil.copytree(tiny_run, run)
     with pytest.raises(ConfigError, match="lr, seed"):
         resume_single(run, ["lr=0.5", "seed=3", "rounds=8"], progress=False, log=lambda s: None)
     assert main(["resume", str(run), "alpha=0.9"]) == 2
@@ -75,6 +96,7 @@ def test_resume_refuses_result_changing_overrides(reference, tmp_path, capsys):
     assert "alpha" in err and "--force" in err and len(err.strip().splitlines()) == 1
 
 
+@pytest.mark.slow
 def test_damaged_latest_checkpoint_falls_back_with_a_warning(reference, tmp_path, caplog):
     run = tmp_path / "damaged"
     shutil.copytree(reference, run)
@@ -94,15 +116,16 @@ def test_damaged_latest_checkpoint_falls_back_with_a_warning(reference, tmp_path
     _assert_same_state(_final_state(run), _final_state(reference))
 
 
-def test_eval_prints_the_latest_checkpoint(reference, capsys):
-    assert main(["eval", str(reference)]) == 0
+def test_eval_prints_the_latest_checkpoint(tiny_run, capsys):
+    assert main(["eval", str(tiny_run)]) == 0
     out = json.loads(capsys.readouterr().out)
-    last = _metrics(reference)[-1]
-    assert out["round"] == 6
+    last = _metrics(tiny_run)[-1]
+    assert out["round"] == 4
     assert out["test_accuracy"] == pytest.approx(last["test_accuracy"], abs=1e-6)
-    assert evaluate_run(reference)["test_loss"] == pytest.approx(last["test_loss"], rel=1e-5)
+    assert evaluate_run(tiny_run)["test_loss"] == pytest.approx(last["test_loss"], rel=1e-5)
 
 
+@pytest.mark.slow
 def test_non_finite_loss_stops_cleanly_naming_round_and_client(tmp_path, capsys):
     run = tmp_path / "nan"
     status = main(["train", *TINY, "rounds=4", "lr=1e30", "clip_norm=0", "checkpoint_every=1",
@@ -143,6 +166,7 @@ def test_host_memory_client_states_match_device_and_resume_exactly(tmp_path):
     _assert_same_state(_final_state(cut), host_state)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["future", "task"])
 def test_failed_reads_left_behind_are_dropped_and_nothing_else(kind):
     """What a failed restore leaves on asyncio's logger — a "Future" or a "Task exception was
@@ -207,3 +231,74 @@ def test_failed_reads_left_behind_are_dropped_and_nothing_else(kind):
             log.addFilter(f)
     _quiet_failed_reads()
     assert reports() == [str(other_error)]
+
+
+def _snapshot(run: Path) -> dict:
+    """Every file of a run directory: its bytes and modification time."""
+    return {str(p.relative_to(run)): (p.read_bytes(), p.stat().st_mtime_ns)
+            for p in sorted(run.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("rounds", [2, 4])
+def test_resume_to_a_round_already_reached_does_nothing(tiny_run, tmp_path, capsys, rounds):
+    run = tmp_path / "run"
+    shutil.copytree(tiny_run, run)
+    before = _snapshot(run)
+    assert main(["resume", str(run), f"rounds={rounds}", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert out == f"nothing to do: {run} is at round 4\n"  # no loading, no compiling
+    assert _snapshot(run) == before  # config.yaml still says rounds: 4
+    assert "rounds: 4" in (run / "config.yaml").read_text()
+    # From Python: the run read back, untouched.
+    again = fedjax_rcl.resume(run, f"rounds={rounds}")
+    assert [r["round"] for r in again.metrics] == [1, 2, 3, 4] and again.config.rounds == 4
+    assert _snapshot(run) == before
+
+
+def test_eval_says_which_checkpoint_it_evaluated(tiny_run, capsys):
+    assert main(["eval", str(tiny_run)]) == 0
+    captured = capsys.readouterr()
+    out = json.loads(captured.out)
+    assert out["round"] == 4 and out["checkpoint"] == str(tiny_run / "checkpoints" / "4")
+    assert "fell_back_from" not in out
+    assert captured.err == f"fedjax-rcl: evaluated {tiny_run} at round 4 (its newest checkpoint)\n"
+
+
+def _damage_arrays(checkpoint: Path) -> None:
+    """Truncates the array store of a checkpoint (its tensorstore files) to a third."""
+    files = [p for p in (checkpoint / "state").rglob("*")
+             if p.is_file() and p.parent.name == "d"]
+    assert files
+    for p in files:
+        with open(p, "r+b") as f:
+            f.truncate(p.stat().st_size // 3)
+
+
+@pytest.mark.slow  # two command-line processes (CI's second step)
+def test_eval_of_a_damaged_newest_checkpoint_is_one_warning_recorded_in_the_json(tiny_run,
+                                                                               tmp_path):
+    """The command line itself (a subprocess: Orbax's failed reads report on their own threads
+    after the restore has failed, into the process's standard error)."""
+    run = tmp_path / "damaged"
+    shutil.copytree(tiny_run, run)
+    _damage_arrays(run / "checkpoints" / "4")
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run([sys.executable, "-m", "fedjax_rcl", "eval", str(run)], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout)
+    assert out["round"] == 2 and out["fell_back_from"] == 4 and out["reason"]
+    assert out["checkpoint"] == str(run / "checkpoints" / "2")
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1, proc.stderr[-3000:]
+    assert lines[0].startswith(f"fedjax-rcl: warning: {run}: the newest checkpoint (round 4) "
+                               "is damaged (")
+    assert lines[0].endswith("evaluated round 2 instead")
+    strict = subprocess.run([sys.executable, "-m", "fedjax_rcl", "eval", str(run), "--strict"],
+                            env=env, capture_output=True, text=True, timeout=300)
+    assert strict.returncode == 2 and strict.stdout == ""
+    lines = strict.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(
+        f"fedjax-rcl: error: eval --strict: the newest checkpoint of {run} (round 4) is "
+        "damaged ("), strict.stderr[-3000:]
+    assert lines[0].endswith("the newest that restores is round 2")

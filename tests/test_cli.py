@@ -136,6 +136,7 @@ def test_subprocess_exit_status_and_no_traceback():
     ]
 
 
+@pytest.mark.slow
 def test_tiny_run_beats_chance(tmp_path, capsys):
     """Digits (10 classes, chance 0.1), a few rounds: clearly better than chance."""
     run = tmp_path / "run"
@@ -160,6 +161,7 @@ def test_tiny_run_beats_chance(tmp_path, capsys):
     assert lines[-1].endswith("ETA 0m00s")
 
 
+@pytest.mark.slow
 def test_compiled_in_covers_every_compile_the_first_round_needs(tmp_path, toy):
     """'compiled in N s' is the time until the first round can run: nothing compiles between
     that line and the first metrics line, also with the representation analysis (its
@@ -195,6 +197,7 @@ def test_compiled_in_covers_every_compile_the_first_round_needs(tmp_path, toy):
     assert events[start + 1:events.index("first line")] == []
 
 
+@pytest.mark.slow
 def test_runs_record_their_commands_and_environment(tmp_path):
     """commands.txt starts with the command that created the run and gains one line per
     process; environment.jsonl says what each process ran on."""

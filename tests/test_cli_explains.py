@@ -120,6 +120,7 @@ def test_a_runs_plugins_are_found_from_another_directory(tmp_path, monkeypatch, 
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["round"] == 2
 
 
+@pytest.mark.slow
 def test_degenerate_settings_are_warned_about_at_the_start(tmp_path, capsys):
     assert main(["train", "algorithm=fedavg", "num_clients=3", "participation=0.1",
                  "eval_every=1000", "rounds=2", "local_epochs=1", "partition=iid",

@@ -23,6 +23,7 @@ def _accuracy(exp, apply, params, model_state, client):
     return float(np.mean(np.argmax(np.asarray(out.logits), -1) == exp.dataset.train_labels[idx]))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kw", [{}, {"clients_in_parallel": 1}], ids=["vmap", "one-at-a-time"])
 def test_accuracy_before_and_after_equals_a_per_client_computation(toy, kw):
     # Uneven clients (the last batch of a client is masked) and an odd batch size.
@@ -43,6 +44,7 @@ def test_accuracy_before_and_after_equals_a_per_client_computation(toy, kw):
     assert max(after) > 0 and "acc_after" not in metrics  # only the per-client arrays
 
 
+@pytest.mark.slow
 def test_clients_jsonl_per_round_resumes_cut_back_and_reported(tmp_path, capsys):
     run = tmp_path / "run"
     args = ["algorithm=fedavg", "num_clients=6", "participation=0.5", "local_epochs=1",

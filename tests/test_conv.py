@@ -98,7 +98,7 @@ def test_matmul_convs_under_vmap_over_kernels(impl):
                                atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("name", ["cnn", "resnet18"])
+@pytest.mark.parametrize("name", ["cnn", pytest.param("resnet18", marks=pytest.mark.slow)])
 def test_models_agree_across_conv_impls(name):
     """Whole models (logits and every feature level) agree within 1e-5 for both implementations."""
     x = jax.random.uniform(jax.random.PRNGKey(2), (2, 32, 32, 3))

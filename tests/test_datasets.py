@@ -80,6 +80,7 @@ def test_every_built_in_dataset_is_one_module_that_registers_it():
         assert entry.doc and entry.origin is None
 
 
+@pytest.mark.slow
 def test_a_new_built_in_dataset_is_one_module(toy_builtin, tmp_path, capsys):
     # Named by a config, checked, and listed in the reference with its line.
     cfg = load_config(None, ["dataset=toy_stripes"])

@@ -72,6 +72,7 @@ def test_means_over_the_last_rounds():
     assert np.isnan(recent_mean([], 5, 10))
 
 
+@pytest.mark.slow
 def test_a_run_writes_the_per_round_ema_the_cadence_and_the_last_rounds_means(tmp_path,
                                                                               capsys):
     """A run evaluated every 3 rounds (7 rounds: blocks of 3, 3, 1), resumed to round 9 (a

@@ -27,10 +27,13 @@ def _cfg(**kw):
         # balanced iid: every client the same size, no masked steps. In the slow step: every
         # other algorithm's round in test_algorithms is this layout against the same loop.
         pytest.param({}, marks=pytest.mark.slow),
-        {"partition": "dirichlet", "alpha": 0.5, "balanced": False, "num_clients": 6,
-         "aggregation": "size"},  # uneven clients: masked steps, wrap-around batches
-        {"clients_in_parallel": 1},  # one client at a time, called without vmap
-        {"clients_in_parallel": 3},  # groups of 3 (the last padded with a zero-weight client)
+        # uneven clients: masked steps, wrap-around batches
+        pytest.param({"partition": "dirichlet", "alpha": 0.5, "balanced": False,
+                      "num_clients": 6, "aggregation": "size"}, marks=pytest.mark.slow),
+        # one client at a time, called without vmap
+        pytest.param({"clients_in_parallel": 1}, marks=pytest.mark.slow),
+        # groups of 3 (the last padded with a zero-weight client)
+        pytest.param({"clients_in_parallel": 3}, marks=pytest.mark.slow),
     ],
     ids=["balanced", "uneven", "one-at-a-time", "groups"],
 )
@@ -48,6 +51,7 @@ def test_vmapped_round_equals_sequential_clients(toy, kw):
         assert sizes.min() != sizes.max(), "the uneven case must really be uneven"
 
 
+@pytest.mark.slow
 def test_clients_one_after_another_hold_one_trained_model_not_all(toy):
     """With clients trained one after another, the round adds each trained model into the
     weighted mean as it finishes: its working memory does not grow with the clients per round
@@ -71,6 +75,7 @@ def _step_gflop(model, **kw):
     return training_step_gflop(m, params, state, (32, 32, 3), batch_size=50)
 
 
+@pytest.mark.slow
 def test_auto_clients_in_parallel_follows_the_measured_layout_table():
     """``clients_in_parallel=0`` resolves by the cost model to what BENCHMARKS.md's layout
     tables measured fastest: on a CPU MOON's CNN side by side, pfl's CNN and the ResNets (the
@@ -138,6 +143,7 @@ def test_the_layout_in_words():
     assert describe_layout(1, 1, None, "cpu") == "one client a round, conv_impl=cpu"
 
 
+@pytest.mark.slow
 def test_build_trains_with_the_layouts_convolutions_and_evaluates_with_the_models(
         monkeypatch, toy):
     """Where the layout asks for other convolutions (the patch ones for clients side by side
@@ -197,6 +203,7 @@ def test_second_round_does_not_recompile(toy):
     assert run._cache_size() == 1
 
 
+@pytest.mark.slow
 def test_fused_rounds_equal_single_rounds(toy):
     """Three rounds fused in one call equal three separate round calls."""
     exp = build(_cfg(eval_every=3), toy)
@@ -258,6 +265,7 @@ def test_floyd_sampler_is_uniform_over_subsets_and_keyed_by_round():
         sample_clients(key, jnp.int32(0), 10, 2, 3)
 
 
+@pytest.mark.slow
 def test_the_round_with_the_floyd_sampler_equals_sequential_clients(toy):
     exp = build(_cfg(sampling_version=2, num_clients=8, participation=0.5), toy)
     expected_params, clients, losses = sequential_round(exp, exp.state)
@@ -278,6 +286,7 @@ def test_learning_rate_schedule_decays_per_round_and_epoch(toy):
 
 
 
+@pytest.mark.slow
 def test_dropout_gets_its_key_from_the_engine(toy):
     """A model with dropout trains inside the compiled round (the engine passes the "dropout"
     key every local step): the round is reproducible, and it differs from the same model with

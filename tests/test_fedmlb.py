@@ -44,7 +44,7 @@ def _setup(name, size):
 
 
 @pytest.mark.parametrize("name,size", [
-    ("cnn", 32), ("pfl_cnn", 16), ("resnet10", 8),
+    ("cnn", 32), ("pfl_cnn", 16), pytest.param("resnet10", 8, marks=pytest.mark.slow),
     pytest.param("resnet18", 8, marks=pytest.mark.slow)])
 def test_entering_after_each_block_reproduces_the_forward_pass(name, size):
     model, batch, local, _, ms = _setup(name, size)
@@ -76,7 +76,8 @@ def _reference_loss(model, local, glob, ms, batch, name, lambda1, lambda2):
 
 
 @pytest.mark.parametrize("name,size,lambda1,lambda2",
-                         [("cnn", 32, 1.0, 1.0), ("resnet10", 8, 0.5, 2.0)])
+                         [("cnn", 32, 1.0, 1.0),
+                          pytest.param("resnet10", 8, 0.5, 2.0, marks=pytest.mark.slow)])
 def test_objective_equals_spliced_models(name, size, lambda1, lambda2):
     model, batch, local, glob, ms = _setup(name, size)
     algorithm = fedmlb(model, FedMLBConfig(lambda1=lambda1, lambda2=lambda2))

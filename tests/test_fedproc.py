@@ -5,6 +5,7 @@ trains against those prototypes."""
 import chex
 import jax
 import numpy as np
+import pytest
 from engine_reference import sequential_local_updates, sequential_round
 
 from fedjax_rcl.config import Config
@@ -12,6 +13,7 @@ from fedjax_rcl.experiment import build
 from fedjax_rcl.losses import prototypes_from_sums
 
 
+@pytest.mark.slow
 def test_prototypes_are_the_reported_class_means_and_drive_round_two(toy):
     cfg = Config(dataset="toy", model="cnn", num_clients=6, participation=0.5, partition="iid",
                  local_epochs=2, batch_size=16, rounds=2, algorithm="fedproc")

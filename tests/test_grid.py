@@ -41,6 +41,7 @@ def grid01(tmp_path_factory):
                             f"run_dir={tmp_path_factory.mktemp('grid01') / 'grid'}")
 
 
+@pytest.mark.slow
 def test_each_member_equals_its_seed_run_alone_bitwise(grid01, tmp_path):
     grid = grid01
     assert [m.run_dir.name for m in grid.members] == ["seed-0", "seed-1"]
@@ -154,6 +155,7 @@ def test_runs_side_by_side_agree_with_runs_one_after_another(tmp_path):
             np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_runs_in_parallel_0_follows_the_layout_cost_model(monkeypatch):
     """``runs_in_parallel=0`` puts all runs side by side iff their step work together (runs x
     clients a run trains side by side x one client's training-step GFLOP) is below the
@@ -201,6 +203,7 @@ def test_a_grid_that_cannot_fit_is_refused_before_compiling(tmp_path, monkeypatc
     assert not run_dir.exists()
 
 
+@pytest.mark.slow
 def test_a_sweep_of_alpha_gives_each_member_its_own_split_and_its_run_alone(tmp_path):
     """``alpha`` changes only the split (each member's data), so a member is its run alone,
     bitwise."""

@@ -51,6 +51,7 @@ def test_nested_programs_scan_length_and_the_costlier_branch():
     assert layout.jaxpr_flops(jax.make_jaxpr(branchy)(True, a, b)) == heavy
 
 
+@pytest.mark.slow
 def test_custom_gradients_and_the_onednn_kernels_count_like_the_native_convolution():
     from fedjax_rcl.models import get_model, model_fns
     from fedjax_rcl.nn import onednn

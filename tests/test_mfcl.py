@@ -170,6 +170,7 @@ def test_bad_input_and_train_refuses_mfcl(tmp_path, capsys):
     assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
 
 
+@pytest.mark.slow
 def test_batch_statistics_representations_are_each_clients_own_batches():
     """mfcl.bn_statistics=batch: a BatchNorm client module normalises each client's batches
     of batch_size pairs by their own statistics, never mixing clients; the default (running
@@ -230,6 +231,7 @@ def _client_module_reference(params, x, stats=None):
     return x.reshape(n, h // 2, 2, w // 2, 2, c).max((2, 4)), used
 
 
+@pytest.mark.slow
 def test_client_statistics_normalise_each_clients_representations_with_its_own():
     """mfcl.bn_statistics=client: a client's representations are BatchNorm's evaluation form
     with the statistics of all the views it sends (both draws of rho=2, across chunks), layer

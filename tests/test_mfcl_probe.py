@@ -23,6 +23,7 @@ def _blobs(rng, n, d, c, spread=4.0):
     return (centres[y] + rng.normal(size=(n, d))).astype(np.float32), y
 
 
+@pytest.mark.slow
 def test_lbfgs_converges_on_separable_data():
     rng = np.random.default_rng(0)
     x, y = _blobs(rng, 400, 8, 3)
@@ -87,6 +88,7 @@ def test_lbfgs_matches_a_float64_scipy_reference(lam, basis):
     np.testing.assert_array_equal(np.argmax(p, 1)[clear], np.argmax(logits_ref, 1)[clear])
 
 
+@pytest.mark.slow
 def test_the_penalty_is_chosen_by_heldout_accuracy():
     """Separable, unbalanced classes: a huge penalty flattens the weights, leaving the bias
     to predict the majority class (held-out accuracy = its share); every other penalty of the
@@ -118,6 +120,7 @@ def test_the_penalty_is_chosen_by_heldout_accuracy():
     assert out["accuracy"] == pytest.approx(np.mean(pred == y[400:]), abs=0.011)
 
 
+@pytest.mark.slow
 def test_the_penalty_chosen_on_overfitting_features_is_the_best_heldout_one():
     """Many weak features and few rows: the held-out accuracies differ across the grid and
     the chosen penalty's is their maximum."""

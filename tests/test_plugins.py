@@ -246,6 +246,7 @@ register_dataset("tiny8", load)
 '''
 
 
+@pytest.mark.slow
 def test_data_smaller_than_the_model_takes_is_one_line(tmp_path, monkeypatch, capsys):
     """MOON's CNN takes 16x16 at least: 8x8 images, from a plugin or an image folder, are
     refused with one line naming the model, its minimum and the data's size (exit 2), where

@@ -23,6 +23,7 @@ def _cfg(**kw):
     return Config(**{**base, **kw})
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("precision,rtol", [("bf16", 0.25), ("fp16", 0.1)])
 def test_a_round_in_low_precision_is_close_to_fp32(toy, precision, rtol):
     """One round's update of the global model (3 clients, 3 local steps each, FedAvg) in bf16
@@ -92,7 +93,8 @@ def _local_update(exp, factor):
                                      ClientAlgorithm(objective), opt, settings))
 
 
-@pytest.mark.parametrize("factor", [1e30, 100.0], ids=["every-step-overflows", "some-overflow"])
+@pytest.mark.parametrize("factor", [pytest.param(1e30, marks=pytest.mark.slow), 100.0],
+                         ids=["every-step-overflows", "some-overflow"])
 def test_overflowing_fp16_steps_are_skipped(toy, factor):
     exp = build(_cfg(algorithm="fedavg", local_epochs=4), toy)
     s = exp.state

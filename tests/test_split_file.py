@@ -82,6 +82,7 @@ def test_the_digest_follows_the_split_files_contents(tmp_path):
                                                                   *args[2:]]))
 
 
+@pytest.mark.slow
 def test_a_run_trains_on_the_files_clients(tmp_path, capsys):
     """The digits job on a split of 6 clients of 100 samples: ``partition`` reports the file's
     class counts, and a round trains on it."""

@@ -124,10 +124,13 @@ def _reference_rounds(exp, rounds, algorithm, alpha):
 
 
 @pytest.mark.parametrize("algorithm,alpha", [("scaffold", None), ("feddyn", 0.1)])
-@pytest.mark.parametrize("participation,in_parallel,drop_last",
-                         [(0.5, 0, False), (0.5, 1, False), (1.0, 0, False), (1.0, 2, True)],
-                         ids=["partial-side-by-side", "partial-one-by-one",
-                              "full-side-by-side", "full-groups-of-2-drop-last"])
+@pytest.mark.parametrize("participation,in_parallel,drop_last", [
+    # Side by side with every client, and one by one with some: the default step; the
+    # other two layouts in the slow step.
+    pytest.param(0.5, 0, False, id="partial-side-by-side", marks=pytest.mark.slow),
+    pytest.param(0.5, 1, False, id="partial-one-by-one"),
+    pytest.param(1.0, 0, False, id="full-side-by-side"),
+    pytest.param(1.0, 2, True, id="full-groups-of-2-drop-last", marks=pytest.mark.slow)])
 def test_rounds_equal_a_float64_numpy_reference(toy, algorithm, alpha, participation,
                                                 in_parallel, drop_last):
     cfg = _cfg(algorithm, participation=participation, clients_in_parallel=in_parallel,
@@ -156,8 +159,8 @@ TINY = ["dataset=digits", "num_clients=10", "participation=0.3", "local_epochs=1
         "batch_size=32", "momentum=0.5"]
 
 
-# FedDyn's resume in CI's second step: its state rides the same checkpoint path.
-@pytest.mark.parametrize("algorithm", ["scaffold", pytest.param("feddyn", marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("algorithm", ["scaffold", "feddyn"])
 def test_stop_and_resume_is_bitwise_the_uninterrupted_run(tmp_path, algorithm):
     quiet = dict(progress=False, log=lambda s: None)
     base = [*TINY, f"algorithm={algorithm}", "checkpoint_every=2"]
@@ -171,6 +174,7 @@ def test_stop_and_resume_is_bitwise_the_uninterrupted_run(tmp_path, algorithm):
     assert np.abs(jax.tree.leaves(a.state.algorithm_state)[0]).max() > 0
 
 
+@pytest.mark.slow
 def test_a_run_written_before_algorithm_state_existed_resumes(tmp_path):
     """tests/data/run_5c33619.tar.gz: a tiny FedAvg run (2 rounds) written by commit 5c33619,
     before ``ServerState.algorithm_state``; it resumes, and its third round equals a fresh
@@ -232,7 +236,8 @@ def _run_metrics(run_dir):
     return rows
 
 
-@pytest.mark.parametrize("algorithm", ["moon", pytest.param("scaffold", marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("algorithm", ["moon", "scaffold"])
 def test_sparse_table_matches_the_dense_one_holds_only_trained_rows_and_resumes(tmp_path,
                                                                                algorithm):
     """``client_states=sparse``: the same results as the host table (bitwise: the same rows
@@ -265,6 +270,7 @@ def test_sparse_table_matches_the_dense_one_holds_only_trained_rows_and_resumes(
     chex.assert_trees_all_equal(restored.state["server"], restored_host.state["server"])
 
 
+@pytest.mark.slow
 def test_disk_table_equals_the_sparse_one_and_resumes_from_its_snapshots(tmp_path):
     """``client_states=disk``: the rows in files under the run directory give the sparse
     table's run bitwise (the same rows reach the same compiled round); a stop at round 2 and a

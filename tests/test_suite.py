@@ -289,6 +289,7 @@ def test_a_suite_file_with_a_bad_table_key_is_refused_naming_it(tmp_path, capsys
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow
 def test_overrides_apply_to_every_run_are_recorded_and_unknown_keys_refused(tmp_path, capsys,
                                                                            monkeypatch):
     """``suite run SUITE key=value``: a run trains with the override, which wins over the
