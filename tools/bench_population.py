@@ -9,7 +9,8 @@ Each case is its own process on synthetic 16x16 RGB images, ``--samples`` per cl
 equal split, so every population's clients hold the same data and a round's work is the same),
 MOON's small CNN, one local epoch of one batch, ``partition_version=2``. A case whose
 per-client table cannot be held stops before compiling with the run's own one-line message
-(``refused``).
+(``refused``). With ``--client-states disk`` (or ``auto``) each case has a temporary run
+directory, where a disk table keeps its files; the bytes they hold are reported.
 Reported: the seconds from the start of ``build`` to the first round's start (partition,
 data placement, table, compilation), the median seconds of the rounds after the first, the
 process's peak resident memory and the start-up line's description of the table.
@@ -21,9 +22,12 @@ import argparse
 import json
 import platform
 import resource
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 
 def synthetic(n: int, size: int = 16):
@@ -40,6 +44,17 @@ def synthetic(n: int, size: int = 16):
 
 def worker(algorithm: str, population: int, per_round: int, rounds: int,
            samples: int, where: str, sampling: int) -> dict:
+    data = synthetic(population * samples)
+    run_dir = tempfile.mkdtemp(prefix="bench-population-") if where in ("auto", "disk") else None
+    try:
+        return _case(data, algorithm, population, per_round, rounds, samples, where, sampling,
+                     run_dir)
+    finally:
+        if run_dir:
+            shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def _case(data, algorithm, population, per_round, rounds, samples, where, sampling, run_dir):
     import jax
     import numpy as np
 
@@ -48,11 +63,10 @@ def worker(algorithm: str, population: int, per_round: int, rounds: int,
     from fedjax_rcl.training import compile_program
     from fedjax_rcl.validation import ConfigError
 
-    data = synthetic(population * samples)
     cfg = Config(dataset="synthetic", model="cnn", algorithm=algorithm, num_clients=population,
                  participation=per_round / population, partition="iid", local_epochs=1,
                  batch_size=samples, partition_version=2, augment=False,
-                 client_states=where, sampling_version=sampling)
+                 client_states=where, sampling_version=sampling, run_dir=run_dir)
     row = {"algorithm": algorithm, "population": population, "per_round": per_round,
            "client_states": where, "sampling_version": sampling}
     t0 = time.perf_counter()
@@ -69,10 +83,16 @@ def worker(algorithm: str, population: int, per_round: int, rounds: int,
         state, _ = advance(state, 1)
         jax.block_until_ready(state)
         times.append(time.perf_counter() - t)
-    return {**row, "startup_s": startup, "round_s": float(np.median(times[1:] or times)),
+    placed = exp.cfg.client_states  # auto resolved
+    store = Path(run_dir) / "client_table" if run_dir else None
+    return {**row, "placed": placed, "startup_s": startup,
+            "round_s": float(np.median(times[1:] or times)),
             "first_round_s": times[0], "table": exp.layout.split("client states ")[-1]
             if "client states" in exp.layout else "none",
-            "rows_held": int(getattr(exp.table, "count", 0)) if where == "sparse" else None,
+            "rows_held": int(getattr(exp.table, "count", 0))
+            if placed in ("sparse", "disk") else None,
+            "disk_gb": sum(f.stat().st_size for f in store.rglob("*") if f.is_file()) / 1e9
+            if store and store.exists() else None,
             "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
 
 
@@ -86,7 +106,8 @@ def main():
     ap.add_argument("--algorithms", nargs="+", default=["fedavg", "moon", "scaffold"])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--samples", type=int, default=2, help="training images per client")
-    ap.add_argument("--client-states", default="device", choices=["device", "host", "sparse"],
+    ap.add_argument("--client-states", default="device",
+                    choices=["auto", "device", "host", "sparse", "disk"],
                     help="where a stateful algorithm's per-client table lives")
     ap.add_argument("--sampling-version", type=int, default=1, choices=[1, 2],
                     help="the client sampler (2: cost independent of the population)")
@@ -121,7 +142,8 @@ def main():
     for r in rows:
         state = (f"refused: {r['refused'].split(': ', 1)[-1][:60]}..." if "refused" in r
                  else r["table"] + (f"; {r['rows_held']:,} rows held after {args.rounds} rounds"
-                                    if r.get("rows_held") is not None else ""))
+                                    if r.get("rows_held") is not None else "")
+                 + (f"; {r['disk_gb']:.2f} GB in files" if r.get("disk_gb") else ""))
         print(f"| {r['algorithm']} | {r['population']:,} | {r['per_round']} | "
               f"{r['startup_s']:.1f} | {r.get('round_s', float('nan')):.2f} | "
               f"{r['peak_rss_gb']:.2f} | {state} |")
