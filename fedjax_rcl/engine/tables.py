@@ -312,12 +312,15 @@ def _chunk_rows(a: np.ndarray) -> int:
     return max(1, _CHUNK_BYTES // max(1, a[:1].nbytes))
 
 
-def _copy_rows(dst: np.ndarray, src: np.ndarray, n: int) -> None:
+def _copy_rows(dst: np.ndarray, src: np.ndarray, n: int) -> float:
     """``dst[:n] = src[:n]`` a chunk at a time (both may be files mapped into memory larger
-    than it)."""
-    step = _chunk_rows(src)
+    than it), in the same pass the float64 sum of those rows (a checkpoint's check)."""
+    step, total = _chunk_rows(src), 0.0
     for a in range(0, n, step):
-        dst[a:min(n, a + step)] = src[a:min(n, a + step)]
+        chunk = src[a:min(n, a + step)]
+        dst[a:min(n, a + step)] = chunk
+        total += float(np.sum(chunk, dtype=np.float64))
+    return total
 
 
 class DiskTable(SparseTable):
@@ -386,9 +389,8 @@ class DiskTable(SparseTable):
         for i, table in enumerate(jax.tree.leaves(self.store)):
             out = np.lib.format.open_memmap(tmp / f"{i}.npy", "w+", table.dtype,
                                             (n, *table.shape[1:]))
-            _copy_rows(out, table, n)
+            sums.append(_copy_rows(out, table, n))
             out.flush()
-            sums.append(_leaf_sum(out))
             del out
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
@@ -423,17 +425,11 @@ class DiskTable(SparseTable):
             if not self.count:
                 break
             saved = np.load(f, mmap_mode="r")
-            if saved.shape[0] != self.count or _leaf_sum(saved) != float(want):
+            if (saved.shape[0] != self.count
+                    or _copy_rows(table, saved, self.count) != float(want)):
                 raise ValueError(f"client_states=disk: the table's snapshot of round {step} "
                                  f"does not match its checkpoint ({f})")
-            _copy_rows(table, saved, self.count)
         return tree["server"]
-
-
-def _leaf_sum(a: np.ndarray) -> float:
-    """A leaf's float64 sum, a chunk at a time."""
-    step = _chunk_rows(a)
-    return float(sum(np.sum(a[i:i + step], dtype=np.float64) for i in range(0, len(a), step)))
 
 
 def available_memory() -> int:
