@@ -6,8 +6,9 @@ operation runs once for all clients, with per-client weights) or one after anoth
 same compiled program (``clients_in_parallel=1``). Which is faster depends on how much work one
 client's step already gives the machine:
 
-* a small client step (MOON's CNN: 0.196 GFLOP at batch 50) leaves the cores or the GPU mostly
-  idle between operations, and side by side runs many clients for the price of one;
+* a small client step (MOON's CNN: 0.196 GFLOP at batch 50) leaves a GPU mostly idle between
+  operations, and side by side runs many clients for the price of one (on a CPU only the
+  smallest steps gain: the threshold below);
 * a large one (a ResNet, pfl-research's CNN) already keeps the machine busy; side by side then
   buys nothing and costs memory and cache, and on a GPU its per-client weights turn every
   convolution into a grouped convolution, which runs far below the dense one's speed.
@@ -37,17 +38,20 @@ from jax.extend import core as jex_core
 # One client's training step below this many GFLOP: clients side by side; at or above: one at a
 # time (see the module docstring).
 # - cpu: fitted by tools/fit_layout.py to the CPU layout table in BENCHMARKS.md ("Which client
-#   layout"): MOON's CNN (0.196 GFLOP at batch 50) fastest side by side; pfl's CNN (5.05),
-#   ResNet-10 at width 16 (4.85) and ResNet-18 (167) fastest one at a time; the geometric mean
-#   of 0.196 and 4.85 is 0.974. (MFCL's autoencoder, 45 GFLOP at batch 64, is fastest one at a
-#   time too.)
+#   layout"), measured on an Intel Xeon (AVX-512) under the small CNNs' no-YNNPACK switch: MOON's
+#   CNN without projection head (0.196 GFLOP at batch 50) no faster apart than side by side
+#   (0.92-1.00x of the best either way); with its projection head (0.205) fastest one at a time
+#   (1.25-1.36x at 5-50 clients), as in MOON's Table 1 setting on two CPU classes (0.74-0.83x
+#   of side by side's time); pfl's CNN (5.05), ResNet-10 at width 16 (4.85) and ResNet-18 (167)
+#   fastest one at a time (an earlier table). The geometric mean of 0.196 and 0.205 is 0.200:
+#   on a CPU nearly every client step now runs one at a time, side by side only below it.
 # - gpu: fitted by tools/fit_layout.py to the GPU layout table in BENCHMARKS.md ("Clients side
 #   by side on a GPU"): MOON's CNN (0.196 GFLOP) and ResNet-10 at width 16 (4.85) fastest side
 #   by side at 10-50 clients; ResNet-18 (167) fastest one at a time (its per-client weights make
 #   every convolution a grouped one). The geometric mean of 4.85 and 167 is 28.4. Between 4.85
 #   and 167 GFLOP (pfl's CNN, 5.05, is there) the table has no model.
 # - tpu: not measured; side by side.
-SIDE_BY_SIDE_BELOW_GFLOP = {"cpu": 0.97, "gpu": 28.4, "tpu": math.inf}
+SIDE_BY_SIDE_BELOW_GFLOP = {"cpu": 0.2, "gpu": 28.4, "tpu": math.inf}
 
 # Forward + backward of a training step: the backward costs about twice the forward.
 TRAIN_STEP_FACTOR = 3
