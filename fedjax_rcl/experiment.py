@@ -99,6 +99,9 @@ class Experiment:
         setting a traced value.
       layout: how local training runs, in words (``describe_layout``): the clients' layout
         the config or the cost model chose and the convolutions it trains with.
+      in_parallel: that layout as a number: at most this many clients side by side, 0 for
+        every sampled client (``clients_in_parallel``'s answer); recorded with each process
+        (``environment.jsonl``'s ``layout``) so that a resumed run keeps it.
       compiler_options: the XLA options the run's programs compile with (``compile_options``).
     """
 
@@ -119,6 +122,7 @@ class Experiment:
     mesh: Mesh | None = None
     program_for: Callable[[CoreConfig], TrainingProgram] | None = None
     layout: str = ""
+    in_parallel: int = 0
     compiler_options: dict[str, str] = dataclasses.field(default_factory=dict)
 
     @functools.cached_property
@@ -230,7 +234,8 @@ def training_step_gflop(model: ModelFns, params, model_state, image_shape, batch
 
 
 def build(cfg: CoreConfig, dataset: ImageDataset | None = None, *,
-          module: nn.Module | None = None, pad_clients_to: int | None = None) -> Experiment:
+          module: nn.Module | None = None, pad_clients_to: int | None = None,
+          kept_layout: int | None = None) -> Experiment:
     """Assembles a run (nothing is compiled yet).
 
     Args:
@@ -242,6 +247,11 @@ def build(cfg: CoreConfig, dataset: ImageDataset | None = None, *,
       pad_clients_to: shape the program for clients of up to this many samples (at least the
         largest client's): several runs with different partitions then share one program.
         The extra steps are masked, as an uneven client's are, so the results do not change.
+      kept_layout: with ``cfg.clients_in_parallel=0``, the layout to keep instead of asking
+        the cost model (``Experiment.in_parallel`` of the run's first process, as
+        ``provenance.recorded_layout`` reads it): a resumed run keeps the layout it began with
+        when the cost model has been refitted since, because two layouts agree to rounding,
+        not bitwise.
     """
     dataset = dataset or load_dataset(cfg.dataset, data_dir=cfg.data_dir)
     too_small = None if module is not None else input_size_problem(cfg.model, cfg.dataset,
@@ -292,10 +302,13 @@ def build(cfg: CoreConfig, dataset: ImageDataset | None = None, *,
     params, model_state = model.init(init_key(root), np.zeros((1, *dataset.image_shape)))
     sizes = np.asarray([len(p) for p in parts])
     num_views = registry.algorithm(cfg.algorithm).num_views
-    step_gflop = (training_step_gflop(model, params, model_state, dataset.image_shape,
-                                      cfg.batch_size, num_views)
-                  if not cfg.clients_in_parallel else math.nan)
-    in_parallel = clients_in_parallel(cfg, step_gflop)
+    if not cfg.clients_in_parallel and kept_layout is not None:
+        in_parallel = kept_layout or None
+    else:
+        step_gflop = (training_step_gflop(model, params, model_state, dataset.image_shape,
+                                          cfg.batch_size, num_views)
+                      if not cfg.clients_in_parallel else math.nan)
+        in_parallel = clients_in_parallel(cfg, step_gflop)
     devices = 1 if mesh is None else mesh.size
     per_round = clients_per_round(cfg.num_clients, cfg.participation)
     conv_impl = training_conv_impl(cfg.conv_impl, per_round, devices, in_parallel)
@@ -382,4 +395,5 @@ def build(cfg: CoreConfig, dataset: ImageDataset | None = None, *,
                       server_start=sopt.start, mesh=mesh,
                       layout=describe_layout(per_round, devices, in_parallel, conv_impl)
                       + describe_table(cfg.client_states, row, rows),
+                      in_parallel=in_parallel or 0,
                       compiler_options=compile_options(cfg.model))

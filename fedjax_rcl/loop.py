@@ -247,13 +247,14 @@ def run_stage(stage: Stage, state, done: int, *, run_dir: Path, sink: Sink,
 
 @contextlib.contextmanager
 def new_run(cfg: CoreConfig, prepare: Callable[[], Any], *, command: str | None,
-            primary: bool = True) -> Iterator[tuple[Path, Any]]:
+            primary: bool = True, layout: Callable[[Any], dict] | None = None
+            ) -> Iterator[tuple[Path, Any]]:
     """Starts a run directory for ``cfg`` and holds it for the ``with`` block.
 
     ``cfg.run_dir`` is refused before any work if it holds a run; ``prepare()`` (loading the
     data, building the experiment) runs next, so its errors leave no directory behind; then
     the directory is created and locked, and ``config.yaml``, ``commands.txt`` and
-    ``environment.jsonl`` are written.
+    ``environment.jsonl`` are written (``layout(prepare())``: the clients' layout it records).
 
     Yields:
       ``(run_dir, prepare())``.
@@ -267,7 +268,8 @@ def new_run(cfg: CoreConfig, prepare: Callable[[], Any], *, command: str | None,
             with interrupts.critical():
                 rundir.atomic_write_text(rundir.RunDir(run_dir).config, to_yaml(cfg))
             provenance.record(run_dir, command, 0, cfg.plugins, input_files(cfg),
-                              compile_options(cfg.model))
+                              compile_options(cfg.model),
+                              layout(prepared) if layout is not None else None)
         yield run_dir, prepared
 
 
@@ -287,9 +289,10 @@ def locked_run(run_dir: Path, *, primary: bool = True) -> Iterator[None]:
 
 
 def resumed_records(run_dir: Path, cfg: CoreConfig, lines: list[str], *, command: str | None,
-                    first: int, primary: bool = True) -> None:
+                    first: int, primary: bool = True, layout: dict | None = None) -> None:
     """Rewrites a resumed run's ``metrics.jsonl`` as ``lines`` (those up to the checkpoint it
-    continues from) and its ``config.yaml`` as ``cfg``, and records this process."""
+    continues from) and its ``config.yaml`` as ``cfg``, and records this process (and the
+    clients' ``layout`` it trains in)."""
     if not primary:
         return
     run = rundir.RunDir(run_dir)
@@ -297,7 +300,7 @@ def resumed_records(run_dir: Path, cfg: CoreConfig, lines: list[str], *, command
         rundir.atomic_write_lines(run.metrics, lines)
         rundir.atomic_write_text(run.config, to_yaml(cfg))
     provenance.record(run_dir, command, first, cfg.plugins, input_files(cfg),
-                      compile_options(cfg.model))
+                      compile_options(cfg.model), layout)
 
 
 def load_run_config(run_dir: Path, overrides=()) -> tuple[CoreConfig, CoreConfig]:

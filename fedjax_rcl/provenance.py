@@ -99,13 +99,15 @@ def file_sha256(path: str | os.PathLike[str]) -> str | None:
 
 
 def environment(command: str | None, first_round: int, plugins=(), inputs=(),
-                compiler_options=None) -> dict:
+                compiler_options=None, layout=None) -> dict:
     """One ``environment.jsonl`` record for a process starting at ``first_round``: also the
     working directory, where the run's ``plugins`` were imported from, the SHA-256 of each
     input file the config names beside the dataset (``inputs``: a split file), so that a
     committed run says which file it trained on where its path alone cannot, and the XLA
     settings its programs compiled with (``$XLA_FLAGS`` and the model's
-    ``compiler_options``), which can move results at the rounding level."""
+    ``compiler_options``), which can move results at the rounding level, and the clients'
+    ``layout`` local training ran in (``{"clients_in_parallel": n, "describe": text}``), which
+    can too, and which a resumed run keeps (``recorded_layout``)."""
     from fedjax_rcl import registry
 
     now = datetime.datetime.now(datetime.UTC).replace(microsecond=0)
@@ -115,13 +117,15 @@ def environment(command: str | None, first_round: int, plugins=(), inputs=(),
            "xla_flags": os.environ.get("XLA_FLAGS", "")}
     if compiler_options is not None:
         out["compiler_options"] = dict(compiler_options)
+    if layout is not None:
+        out["layout"] = dict(layout)
     if inputs:
         out["input_sha256"] = {str(p): file_sha256(p) for p in inputs}
     return out
 
 
 def record(run_dir: str | Path, command: str | None, first_round: int, plugins=(),
-           inputs=(), compiler_options=None) -> None:
+           inputs=(), compiler_options=None, layout=None) -> None:
     """Appends this process's command and environment to the run directory's records."""
     run = RunDir(run_dir)
     if command:
@@ -129,7 +133,19 @@ def record(run_dir: str | Path, command: str | None, first_round: int, plugins=(
             f.write(command + "\n")
     with open(run.environment, "a") as f:
         f.write(json.dumps(environment(command, first_round, plugins, inputs,
-                                      compiler_options)) + "\n")
+                                      compiler_options, layout)) + "\n")
+
+
+def recorded_layout(run_dir: str | Path, backend: str) -> int | None:
+    """The clients' layout (``clients_in_parallel``: 0 for all side by side) that the first of
+    a run's processes on ``backend`` recorded, None if none did (a run recorded before
+    layouts were, or one moving to another kind of device, where the results change anyway):
+    what ``resume`` keeps, so that a refit of the layout cost model
+    (``fedjax_rcl.engine.layout``) does not change a run in progress."""
+    for record in read_jsonl(RunDir(run_dir).environment):
+        if record.get("backend") == backend and "layout" in record:
+            return int(record["layout"]["clients_in_parallel"])
+    return None
 
 
 def recorded_plugin_dirs(run_dir: str | Path) -> tuple[str, ...]:

@@ -49,6 +49,7 @@ from fedjax_rcl.loop import (
     save_checkpoint,
 )
 from fedjax_rcl.metrics import RECENT_WINDOWS, ema, recent_mean
+from fedjax_rcl.provenance import recorded_layout
 from fedjax_rcl.rundir import RunDir, atomic_write_lines
 from fedjax_rcl.validation import ConfigError
 
@@ -269,12 +270,19 @@ def plot_run(run_dir: Path, cfg: CoreConfig, title_suffix: str = "") -> None:
                  ema_decay=cfg.ema_decay, eval_every=cfg.eval_every)
 
 
-def cut_back(run_dir: Path, cfg: CoreConfig, done: int, *, command: str | None) -> None:
+def layout_record(exp: Experiment) -> dict:
+    """The clients' layout a process trains in, as ``environment.jsonl`` records it."""
+    return {"clients_in_parallel": exp.in_parallel, "describe": exp.layout}
+
+
+def cut_back(run_dir: Path, cfg: CoreConfig, done: int, *, command: str | None,
+             layout: dict | None = None) -> None:
     """A resumed run's records cut back to round ``done``: ``metrics.jsonl`` and
-    ``clients.jsonl`` (its ``config.yaml`` rewritten, this process recorded)."""
+    ``clients.jsonl`` (its ``config.yaml`` rewritten, this process and its ``layout``
+    recorded)."""
     run = RunDir(run_dir)
     resumed_records(run_dir, cfg, run.metric_lines(upto=done), command=command, first=done,
-                    primary=is_primary())
+                    primary=is_primary(), layout=layout)
     if is_primary() and run.clients.exists():  # cut back like metrics.jsonl
         with interrupts.critical():
             atomic_write_lines(run.clients, run.client_lines(upto=done))
@@ -362,7 +370,8 @@ def train(cfg: CoreConfig, *, dataset: ImageDataset | None = None, progress: boo
         log(f"loading data: {cfg.dataset} ...")
         return build(cfg, dataset)  # data-dependent checks happen here, before any compile
 
-    with new_run(cfg, prepare, command=command, primary=is_primary()) as (run_dir, exp):
+    with new_run(cfg, prepare, command=command, primary=is_primary(),
+                 layout=layout_record) as (run_dir, exp):
         log(_describe(exp, run_dir))
         ckpt = Checkpointer(RunDir(run_dir).checkpoint_dir(), keep=cfg.keep_checkpoints)
         # A run always has a checkpoint.
@@ -409,7 +418,8 @@ def _resume_locked(run_dir: Path, cfg: CoreConfig, *, force: bool,
                    dataset: ImageDataset | None, progress: bool, log,
                    command: str | None, callbacks=()) -> dict:
     log(f"loading data: {cfg.dataset} ...")
-    exp = build(cfg, dataset)
+    # The layout the run began with, not the cost model's choice today (``build``).
+    exp = build(cfg, dataset, kept_layout=recorded_layout(run_dir, jax.default_backend()))
     run = RunDir(run_dir)
     ckpt = Checkpointer(run.checkpoint_dir(), keep=cfg.keep_checkpoints)
     try:
@@ -429,7 +439,7 @@ def _resume_locked(run_dir: Path, cfg: CoreConfig, *, force: bool,
         save_checkpoint(ckpt, run_dir, 0, restored.state, restored.meta, "round 0")
     done = restored.step
     ckpt.set_aside([s for s in ckpt.steps() if s > done])  # the damaged ones we skipped
-    cut_back(run_dir, cfg, done, command=command)
+    cut_back(run_dir, cfg, done, command=command, layout=layout_record(exp))
     interrupts.resume_status(run_dir, done)
     log(_describe(exp, run_dir))
     log(f"resuming from the checkpoint of round {done} (of {cfg.rounds})")

@@ -75,6 +75,41 @@ def test_stop_and_resume_is_identical(tiny_run, tmp_path):
     assert "rounds: 4" in (run / "config.yaml").read_text()
 
 
+def test_a_resumed_run_keeps_the_layout_it_began_with(tiny_run, tmp_path, monkeypatch):
+    """The layout cost model refitted between two processes of a run (here: its CPU threshold
+    moved so that the tiny run's clients, side by side when it began, would now train one at
+    a time): resume keeps the layout its first process recorded, and the run ends bitwise
+    as the one that went through. A run whose records hold no layout (older than the record)
+    and a new run take the cost model's choice of the day."""
+    from fedjax_rcl.engine import layout
+
+    def layouts(run):
+        return [r.get("layout", {}).get("clients_in_parallel")
+                for r in map(json.loads, (run / "environment.jsonl").read_text().splitlines())]
+
+    run, quiet = tmp_path / "run", (lambda s: None)
+    monkeypatch.setitem(layout.SIDE_BY_SIDE_BELOW_GFLOP, "cpu", float("inf"))
+    train(load_config(None, [*TINY_RUN, "rounds=2", "checkpoint_every=2", f"run_dir={run}"]),
+          progress=False, log=quiet)
+    monkeypatch.setitem(layout.SIDE_BY_SIDE_BELOW_GFLOP, "cpu", 0.0)  # the refit
+    lines = []
+    resume_single(run, ["rounds=4"], progress=False, log=lines.append)
+    assert layouts(run) == [0, 0]
+    assert any("clients side by side" in x for x in lines), lines
+    assert _metrics(run) == _metrics(tiny_run)
+    _assert_same_state(_final_state(run), _final_state(tiny_run))
+
+    records = [json.loads(x) for x in (run / "environment.jsonl").read_text().splitlines()]
+    for r in records:
+        del r["layout"]
+    (run / "environment.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    resume_single(run, ["rounds=5"], progress=False, log=quiet)
+    assert layouts(run) == [None, None, 1]
+    train(load_config(None, [*TINY_RUN, "rounds=1", f"run_dir={tmp_path / 'new'}"]),
+          progress=False, log=quiet)
+    assert layouts(tmp_path / "new") == [1]
+
+
 @pytest.mark.slow
 def test_stop_and_resume_of_fedrcl_is_identical(reference, tmp_path):
     run = tmp_path / "run"
