@@ -98,14 +98,26 @@ def file_sha256(path: str | os.PathLike[str]) -> str | None:
         return None
 
 
+# Environment variables of the thread runtimes under the oneDNN kernels (OpenMP) and of oneDNN
+# itself: they decide how fast a CPU round runs (OMP_WAIT_POLICY, the threads' count), and some
+# (a thread count) can decide how a convolution's sums are split.
+THREADS_ENV_PREFIXES = ("OMP_", "GOMP_", "KMP_", "DNNL_", "ONEDNN_")
+
+
+def threads_env() -> dict[str, str]:
+    """This process's settings of the variables ``THREADS_ENV_PREFIXES`` names."""
+    return {k: v for k, v in sorted(os.environ.items()) if k.startswith(THREADS_ENV_PREFIXES)}
+
+
 def environment(command: str | None, first_round: int, plugins=(), inputs=(),
                 compiler_options=None, layout=None) -> dict:
     """One ``environment.jsonl`` record for a process starting at ``first_round``: also the
     working directory, where the run's ``plugins`` were imported from, the SHA-256 of each
     input file the config names beside the dataset (``inputs``: a split file), so that a
-    committed run says which file it trained on where its path alone cannot, and the XLA
+    committed run says which file it trained on where its path alone cannot, the XLA
     settings its programs compiled with (``$XLA_FLAGS`` and the model's
-    ``compiler_options``), which can move results at the rounding level, and the clients'
+    ``compiler_options``), which can move results at the rounding level, the thread runtimes'
+    variables (``threads_env``), and the clients'
     ``layout`` local training ran in (``{"clients_in_parallel": n, "describe": text}``), which
     can too, and which a resumed run keeps (``recorded_layout``)."""
     from fedjax_rcl import registry
@@ -114,7 +126,7 @@ def environment(command: str | None, first_round: int, plugins=(), inputs=(),
     out = {"command": command, "started_utc": now.isoformat(), "first_round": first_round,
            "cwd": os.getcwd(), "plugin_dirs": registry.plugin_dirs(plugins), "cpu": cpu(),
            **devices(), "versions": versions(), "git_commit": git_commit(),
-           "xla_flags": os.environ.get("XLA_FLAGS", "")}
+           "xla_flags": os.environ.get("XLA_FLAGS", ""), "threads_env": threads_env()}
     if compiler_options is not None:
         out["compiler_options"] = dict(compiler_options)
     if layout is not None:

@@ -218,6 +218,8 @@ def test_runs_record_their_commands_and_environment(tmp_path):
         # The XLA settings the programs compiled with (the tests' flags, the model's options).
         assert e["xla_flags"] == os.environ.get("XLA_FLAGS", "")
         assert e["compiler_options"] == compile_options(load_config(None, []).model)
+        assert e["threads_env"] == {k: v for k, v in os.environ.items()
+                                    if k.startswith(("OMP_", "GOMP_", "KMP_", "DNNL_", "ONEDNN_"))}
 
 
 def test_progress_line_rate_and_eta():
