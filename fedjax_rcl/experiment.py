@@ -57,7 +57,7 @@ from fedjax_rcl.engine.tables import (
 )
 from fedjax_rcl.models import ModelFns, get_model, input_size_problem, model_fns
 from fedjax_rcl.models.base import with_precision
-from fedjax_rcl.nn import resolve_conv_impl
+from fedjax_rcl.nn import onednn, resolve_conv_impl
 from fedjax_rcl.rundir import RunDir
 from fedjax_rcl.server import ServerOptimizer, server_optimizer
 from fedjax_rcl.validation import ConfigError
@@ -253,6 +253,8 @@ def build(cfg: CoreConfig, dataset: ImageDataset | None = None, *,
         when the cost model has been refitted since, because two layouts agree to rounding,
         not bitwise.
     """
+    if module is None and jax.default_backend() == "cpu":  # before the OpenMP runtime loads
+        onednn.set_thread_env(dict(registry.model(cfg.model).cpu_thread_env))
     dataset = dataset or load_dataset(cfg.dataset, data_dir=cfg.data_dir)
     too_small = None if module is not None else input_size_problem(cfg.model, cfg.dataset,
                                                                    dataset.image_shape)

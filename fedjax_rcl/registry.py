@@ -106,6 +106,9 @@ class ModelEntry:
       cpu_xla_options: ``(name, value)`` pairs of XLA options the run's programs compile with
         on a CPU (``jax.stages.Lowered.compile``'s ``compiler_options``), where a measured
         choice differs by model; one the user sets in ``XLA_FLAGS`` is left to the user.
+      cpu_thread_env: ``(name, value)`` pairs of the OpenMP runtime's environment (under the
+        oneDNN kernels) the run's process starts it with, where a measured choice differs by
+        model (``fedjax_rcl.nn.onednn.set_thread_env``; one the user sets is left to the user).
     """
 
     name: str
@@ -116,6 +119,7 @@ class ModelEntry:
     num_blocks: int = 0
     min_input_size: int | None = None
     cpu_xla_options: tuple[tuple[str, str], ...] = ()
+    cpu_thread_env: tuple[tuple[str, str], ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -243,6 +247,7 @@ def register_model(name: str, build: Callable, *, num_levels: int,
                    norms: tuple[str, ...] = ("group",), width: bool = False,
                    num_blocks: int = 0, min_input_size: int | None = None,
                    cpu_xla_options: tuple[tuple[str, str], ...] = (),
+                   cpu_thread_env: tuple[tuple[str, str], ...] = (),
                    replace: bool = False) -> ModelEntry:
     """Makes ``model=name`` available (see ``ModelEntry`` for the arguments)."""
     if min_input_size is not None and (isinstance(min_input_size, bool) or not isinstance(
@@ -250,7 +255,8 @@ def register_model(name: str, build: Callable, *, num_levels: int,
         raise ValueError(f"model {name!r}: min_input_size={min_input_size!r}: must be an "
                          "integer >= 1 or None")
     entry = ModelEntry(name, build, num_levels, tuple(norms), width, num_blocks, min_input_size,
-                       tuple((str(k), str(v)) for k, v in cpu_xla_options))
+                       tuple((str(k), str(v)) for k, v in cpu_xla_options),
+                       tuple((str(k), str(v)) for k, v in cpu_thread_env))
     _add(MODELS, entry, "model", replace)
     return entry
 

@@ -4,7 +4,10 @@
 Their values and gradients against XLA's convolution on many geometries are in test_conv.py.
 """
 
+import json
+import os
 import platform
+import subprocess
 import sys
 import warnings
 from pathlib import Path
@@ -48,6 +51,31 @@ def test_extension_builds_here():
     assert onednn.available(), onednn.unavailable_reason()
     assert onednn.unavailable_reason() is None
     assert onednn.version().startswith("3.")
+
+
+@needs_onednn
+@pytest.mark.parametrize(("model", "user"), [
+    ("moon_cnn", {}), ("moon_cnn", {"GOMP_SPINCOUNT": "0"}), ("resnet10", {})])
+def test_a_models_thread_env_is_set_before_the_runtime_loads_unless_the_user_set_one(model, user):
+    """A fresh process building a run of MOON's CNN sets its ``cpu_thread_env`` (OpenMP's spin)
+    before the OpenMP runtime loads, so the runtime runs with it; a variable the user set
+    leaves them all alone, and a model without one (a ResNet) sets nothing."""
+    from fedjax_rcl import registry
+    from fedjax_rcl.models import get_model  # noqa: F401  (registers the models)
+
+    names = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
+    env = {k: v for k, v in os.environ.items() if k not in names} | user
+    code = ("import json, os\nfrom fedjax_rcl.config import load_config\n"
+            "from fedjax_rcl.experiment import build\nfrom fedjax_rcl.nn import onednn\n"
+            f"build(load_config(None, ['model={model}', 'num_clients=2', 'rounds=1']))\n"
+            "assert onednn.available() and onednn._libgomp_loaded()\n"
+            f"print(json.dumps({{k: os.environ.get(k) for k in {names!r}}}))")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         check=True).stdout
+    wanted = dict(registry.model(model).cpu_thread_env)
+    want = {k: user.get(k) for k in names} if user else {k: wanted.get(k) for k in names}
+    assert json.loads(out.splitlines()[-1]) == want
+    assert (model == "moon_cnn") == bool(wanted)
 
 
 @needs_onednn

@@ -105,14 +105,23 @@ _NORMS = ("group", "batch", "twin")
 # as XLA's own loops, and their rounds take less time (BENCHMARKS.md); pfl_cnn and the ResNets
 # keep XLA's default, under which they are faster.
 _NO_YNN_FUSIONS = (("xla_cpu_experimental_ynn_fusion_type", ""),)
+# And their processes let the OpenMP threads under the oneDNN kernels spin longer between calls:
+# a compiled round's process has several XLA threads that call the kernels, each leading an
+# OpenMP team, so libgomp counts more threads than cores and by default lets them spin 100 times
+# before they sleep; ACTIVE makes that 1,000, and the spin count keeps libgomp's own 300,000
+# where a process has one team, so that an idle process never keeps a core busy. MOON's Table 1
+# round took 0.88x the time, bitwise the same; ResNet-18's 1.03-1.07x, so the others keep
+# libgomp's defaults (BENCHMARKS.md, "Figures behind the code's choices").
+_SPIN_BETWEEN_CALLS = (("OMP_WAIT_POLICY", "ACTIVE"), ("GOMP_SPINCOUNT", "300000"))
 registry.register_model("cnn", _lazy(_cnn), num_levels=4, norms=("group",), num_blocks=4,
-                        min_input_size=16, cpu_xla_options=_NO_YNN_FUSIONS)
+                        min_input_size=16, cpu_xla_options=_NO_YNN_FUSIONS,
+                        cpu_thread_env=_SPIN_BETWEEN_CALLS)
 # MOON's tables train every method on its ``ModelFedCon(simple-cnn)``: the same CNN, then the
 # projection head (84 -> 84 -> 256 by default, ``moon.projection_dim`` under MOON) and the
 # classifier on the projection's output.
 registry.register_model("moon_cnn", _lazy(_cnn, "build_fedcon"), num_levels=4,
                         norms=("group",), num_blocks=4, min_input_size=16,
-                        cpu_xla_options=_NO_YNN_FUSIONS)
+                        cpu_xla_options=_NO_YNN_FUSIONS, cpu_thread_env=_SPIN_BETWEEN_CALLS)
 # Smallest input: every convolution is padded (a stride-2 3x3 with padding 1 maps H to
 # (H + 1) // 2 >= 1), and there is no pool before the global mean: any H >= 1.
 registry.register_model("mobilenet_v2", _lazy(_mobilenet), num_levels=7, norms=_NORMS,

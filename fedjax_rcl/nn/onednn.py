@@ -161,6 +161,28 @@ def _sources() -> tuple[Path, ...]:
     return (SOURCE, GROUP_NORM_SOURCE)
 
 
+def _libgomp_loaded() -> bool:
+    """Whether this process has loaded the system's OpenMP runtime (it reads its environment
+    once, when it loads)."""
+    try:
+        return "/libgomp.so" in Path("/proc/self/maps").read_text()
+    except OSError:
+        return False
+
+
+def set_thread_env(env: dict[str, str]) -> dict[str, str]:
+    """Sets ``env``, variables of the OpenMP runtime under the kernels, in this process's
+    environment before the extension loads the runtime: not where the user set any of them, nor
+    once the runtime is loaded (it has read its environment then; a process keeps the first
+    model's). Returns what it set. A model's ``cpu_thread_env`` (``registry.ModelEntry``) comes
+    here from ``experiment.build``; each run's process records the variables
+    (``environment.jsonl``'s ``threads_env``)."""
+    if not env or any(k in os.environ for k in env) or _libgomp_loaded():
+        return {}
+    os.environ.update(env)
+    return dict(env)
+
+
 @functools.lru_cache(maxsize=1)
 def _load() -> ctypes.CDLL | OneDnnUnavailable:
     """Builds (if needed), loads and registers the extension once per process; returns the
