@@ -1,4 +1,4 @@
-"""Max-pooling formulations with a hand-written gradient against the model's reshape-and-max
+"""Max-pooling formulations with a hand-written gradient against the package's reshape and max
 (``fedjax_rcl.nn.pool.max_pool``), each after bias + ReLU as in the CNNs, timed alone (jitted,
 300 calls each) at the two pool shapes of MOON's CNN at batch 50; each one's gradients are
 checked bitwise against the reference's. Run with the CNNs' XLA option:
@@ -33,6 +33,38 @@ def slices(y):
     """The maximum of the window's four strided slices."""
     return jnp.maximum(jnp.maximum(y[:, 0::2, 0::2], y[:, 0::2, 1::2]),
                        jnp.maximum(y[:, 1::2, 0::2], y[:, 1::2, 1::2]))
+
+
+def first_maximum(y):
+    """The four slices' maximum, its gradient to the first maximum of each window in row-major
+    order (``torch.nn.MaxPool2d``'s rule): a subgradient, and after a ReLU the same gradient as
+    the model's (the only ties are all-zero windows, whose gradient the ReLU zeroes)."""
+
+    @jax.custom_vjp
+    def pool(y):
+        return slices(y)
+
+    def fwd(y):
+        out = slices(y)
+        return out, (y, out)
+
+    def bwd(res, g):
+        y, out = res
+        parts = (y[:, 0::2, 0::2], y[:, 0::2, 1::2], y[:, 1::2, 0::2], y[:, 1::2, 1::2])
+        taken = jnp.zeros(out.shape, bool)
+        grads = []
+        for p in parts:
+            hit = (p == out) & ~taken
+            taken = taken | hit
+            grads.append(jnp.where(hit, g, 0))
+        top = jnp.stack(grads[:2], axis=3)  # [B, Ho, Wo, 2, C]: window row 0, columns 0, 1
+        bottom = jnp.stack(grads[2:], axis=3)
+        b, ho, wo, c = out.shape
+        rows = jnp.stack([top.reshape(b, ho, 2 * wo, c), bottom.reshape(b, ho, 2 * wo, c)], 2)
+        return (rows.reshape(b, 2 * ho, 2 * wo, c),)
+
+    pool.defvjp(fwd, bwd)
+    return pool(y)
 
 
 def with_vjp(forward, *, split_ties=True, upsample="reshape"):
@@ -71,8 +103,10 @@ def main() -> None:
                 "slices, gradient written out": with_vjp(slices),
                 "slices, every maximum": with_vjp(slices, split_ties=False),
                 "slices, repeated output": with_vjp(slices, split_ties=False,
-                                                    upsample="repeat")}
-    for shape in [(50, 28, 28, 6), (50, 10, 10, 16)]:
+                                                    upsample="repeat"),
+                "slices, first maximum (PyTorch's rule)": first_maximum}
+    # MOON's CNN's two pools at batch 50; pfl's CNN's (batch 10); MFCL's stem (batch 64).
+    for shape in [(50, 28, 28, 6), (50, 10, 10, 16), (10, 28, 28, 64), (64, 32, 32, 64)]:
         b, h, w, c = shape
         x = jnp.asarray(rng.standard_normal(shape, dtype=np.float32))
         bias = jnp.asarray(rng.standard_normal(c, dtype=np.float32))
@@ -91,7 +125,7 @@ def main() -> None:
                        for a, e in zip(backward(x, bias, dy), want, strict=True))
             print(f"  {name:40s} forward {seconds_per_call(forward, x, bias) * 1e6:7.1f} us"
                   f"  forward+gradient {seconds_per_call(backward, x, bias, dy) * 1e6:7.1f} us"
-                  f"  gradients bitwise the model's: {same}")
+                  f"  gradients bitwise the reshape's: {same}")
 
 
 if __name__ == "__main__":
