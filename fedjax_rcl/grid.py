@@ -85,11 +85,13 @@ from fedjax_rcl.loop import (
     run_stage,
     save_checkpoint,
 )
+from fedjax_rcl.provenance import recorded_layout
 from fedjax_rcl.training import (
     check_finite,
     checkpoint_meta,
     compile_analysis,
     cut_back,
+    layout_record,
     plot_run,
     prior_accuracies,
     prior_seconds,
@@ -138,13 +140,16 @@ def _label(cfg: CoreConfig, key: str | None) -> str:
     return f"seed {cfg.seed}" + ("" if key is None else f", {key}={setting(cfg, key)}")
 
 
-def build_members(cfgs: list[CoreConfig], dataset: ImageDataset | None = None
-                  ) -> list[Experiment]:
+def build_members(cfgs: list[CoreConfig], dataset: ImageDataset | None = None,
+                  kept_layouts: list[int | None] | None = None) -> list[Experiment]:
     """Every member's experiment, built as its run alone but with its client table padded to
-    the largest client of any member (one program shape for all)."""
+    the largest client of any member (one program shape for all); ``kept_layouts``: each
+    member's recorded clients' layout, kept on resume (``build``'s ``kept_layout``)."""
     dataset = dataset or load_dataset(cfgs[0].dataset, data_dir=cfgs[0].data_dir)
     widest = max(max(len(p) for p in make_partition(c, dataset.train_labels)) for c in cfgs)
-    return [build(c, dataset, pad_clients_to=widest) for c in cfgs]
+    kept_layouts = kept_layouts or [None] * len(cfgs)
+    return [build(c, dataset, pad_clients_to=widest, kept_layout=k)
+            for c, k in zip(cfgs, kept_layouts, strict=True)]
 
 
 def device_memory() -> int | None:
@@ -199,18 +204,22 @@ def _member(tree, i: int):
     return jax.tree.map(lambda x: x[i], tree)
 
 
-def runs_in_parallel(exps: list[Experiment], platform: str | None = None) -> int:
+def runs_in_parallel(exps: list[Experiment], platform: str | None = None,
+                     kept: int | None = None) -> int:
     """How many of the members train side by side: ``runs_in_parallel`` as configured (at most
     every member), its 0 resolved by the layout cost model (``layout.runs_side_by_side``): all
     of them when the step work they put on the device together (members x the clients a member
     trains side by side x one client's training-step GFLOP, ``training_step_gflop``) is below
     the platform's threshold, else 1 (one after another, each with the arithmetic of its run
     alone). The members share one program, so the first member's model and settings stand for
-    all. ``platform``: default JAX's backend."""
+    all. ``platform``: default JAX's backend. ``kept``: the grid's recorded choice, which a
+    resumed grid keeps (``provenance.recorded_layout``)."""
     first = exps[0]
     cfg = first.cfg
     if cfg.runs_in_parallel:
         return min(cfg.runs_in_parallel, len(exps))
+    if kept is not None:
+        return min(kept, len(exps))
     step = training_step_gflop(first.model, first.state.params, first.state.model_state,
                                first.dataset.image_shape, cfg.batch_size,
                                registry.algorithm(cfg.algorithm).num_views)
@@ -266,12 +275,13 @@ def check_sweep(exps: list[Experiment], key: str | None) -> None:
 
 
 def compile_grid(exps: list[Experiment], states, log: Callable[[str], None] = print,
-                 key: str | None = None) -> GridProgram:
+                 key: str | None = None, runs_layout: int | None = None) -> GridProgram:
     """Compiles the members' rounds between two evaluations, mapped over the run axis, and
-    their evaluation, once (``key``: the swept setting, a traced value per member)."""
+    their evaluation, once (``key``: the swept setting, a traced value per member;
+    ``runs_layout``: a resumed grid's recorded ``runs_in_parallel``)."""
     first = exps[0]
     capacity = first.cfg.eval_every
-    group = runs_in_parallel(exps)
+    group = runs_in_parallel(exps, kept=runs_layout)
     batch = None if group <= 1 else group  # lax.map: vmap within groups
     rounds_for, values = _member_rounds(exps, key)
     values = jax.device_put(values)
@@ -438,14 +448,21 @@ def _grid_stage(exps: list[Experiment], program: GridProgram, ckpts: list[Checkp
                  step_lines=step_lines if members[0].step_lines is not None else None)
 
 
+def _grid_layout(exps: list[Experiment], runs_layout: int | None = None) -> dict:
+    """The layout a grid's process records for the grid (its members record their own)."""
+    return {"clients_in_parallel": exps[0].in_parallel,
+            "runs_in_parallel": runs_in_parallel(exps, kept=runs_layout),
+            "describe": exps[0].layout}
+
+
 def _run_grid(parent: Path, exps: list[Experiment], ckpts: list[Checkpointer], states,
               done: int, emas: list, *, progress: bool, log, callbacks=(),
-              key: str | None = None) -> dict:
+              key: str | None = None, runs_layout: int | None = None) -> dict:
 
     dirs = [Path(e.cfg.run_dir) for e in exps]
     grid_ckpt = _Checkpointers(ckpts)
     try:
-        program = compile_grid(exps, states, log, key)
+        program = compile_grid(exps, states, log, key, runs_layout)
         stage = _grid_stage(exps, program, ckpts, emas,
                             [prior_seconds(d, done) for d in dirs], key,
                             [prior_accuracies(d, done) for d in dirs])
@@ -503,12 +520,13 @@ def train_grid(cfg: CoreConfig, *, dataset: ImageDataset | None = None, progress
         check_sweep(exps, cfg.sweep.key)
         return exps
 
-    with new_run(cfg, prepare, command=command) as (parent, exps):
+    with new_run(cfg, prepare, command=command, layout=_grid_layout) as (parent, exps):
         cfgs = member_configs(cfg, parent)
         exps = [dataclasses.replace(e, cfg=c) for e, c in zip(exps, cfgs, strict=True)]
         with contextlib.ExitStack() as members:
-            for c in cfgs:
-                members.enter_context(new_run(c, lambda: None, command=command))
+            for c, e in zip(cfgs, exps, strict=True):
+                members.enter_context(new_run(c, lambda: None, command=command,
+                                              layout=lambda _, e=e: layout_record(e)))
             names = ", ".join(Path(c.run_dir).name for c in cfgs)
             log(f"run_dir: {parent}  |  {len(cfgs)} runs ({names}) of {cfg.algorithm} on "
                 f"{cfg.model}, {cfg.dataset}  |  backend {jax.default_backend()}, "
@@ -540,7 +558,11 @@ def continue_grid(run_dir: Path, cfg: CoreConfig, *, force: bool = False,
         for c in cfgs:
             locks.enter_context(rundir.locked(Path(c.run_dir)))
         log(f"loading data: {cfg.dataset} ...")
-        exps = build_members(cfgs, dataset)
+        # The layouts the grid began with, not the cost model's choice today.
+        backend = jax.default_backend()
+        exps = build_members(cfgs, dataset,
+                             [recorded_layout(c.run_dir, backend) for c in cfgs])
+        runs_layout = recorded_layout(run_dir, backend, "runs_in_parallel")
         check_fits(exps, grid=cfg)
         check_sweep(exps, cfg.sweep.key)
         ckpts = [Checkpointer(rundir.RunDir(c.run_dir).checkpoint_dir(),
@@ -554,14 +576,16 @@ def continue_grid(run_dir: Path, cfg: CoreConfig, *, force: bool = False,
         done = restored[0].step
         for c, e in zip(ckpts, exps, strict=True):
             c.set_aside([s for s in c.steps() if s > done])
-            cut_back(Path(e.cfg.run_dir), e.cfg, done, command=command)
-        resumed_records(run_dir, cfg, [], command=command, first=done)
+            cut_back(Path(e.cfg.run_dir), e.cfg, done, command=command,
+                     layout=layout_record(e))
+        resumed_records(run_dir, cfg, [], command=command, first=done,
+                        layout=_grid_layout(exps, runs_layout))
         log(f"resuming {len(exps)} runs from the checkpoints of round {done} (of {cfg.rounds})")
         states = _stack([e.table.restore(r.state) for e, r in zip(exps, restored, strict=True)])
         return _run_grid(run_dir, exps, ckpts, states, done,
                          [r.meta.get("test_accuracy_ema") for r in restored],
                          progress=progress, log=log, callbacks=callbacks,
-                         key=cfg.sweep.key)
+                         key=cfg.sweep.key, runs_layout=runs_layout)
 
 
 def _restore_common(exps: list[Experiment], ckpts: list[Checkpointer], force: bool) -> list:

@@ -148,15 +148,16 @@ def record(run_dir: str | Path, command: str | None, first_round: int, plugins=(
                                       compiler_options, layout)) + "\n")
 
 
-def recorded_layout(run_dir: str | Path, backend: str) -> int | None:
-    """The clients' layout (``clients_in_parallel``: 0 for all side by side) that the first of
-    a run's processes on ``backend`` recorded, None if none did (a run recorded before
-    layouts were, or one moving to another kind of device, where the results change anyway):
-    what ``resume`` keeps, so that a refit of the layout cost model
-    (``fedjax_rcl.engine.layout``) does not change a run in progress."""
+def recorded_layout(run_dir: str | Path, backend: str,
+                    key: str = "clients_in_parallel") -> int | None:
+    """The clients' layout (``clients_in_parallel``: 0 for all side by side; a grid's also
+    ``runs_in_parallel``) that the first of a run's processes on ``backend`` recorded, None if
+    none did (a run recorded before layouts were, or one moving to another kind of device,
+    where the results change anyway): what ``resume`` keeps, so that a refit of the layout
+    cost model (``fedjax_rcl.engine.layout``) does not change a run in progress."""
     for record in read_jsonl(RunDir(run_dir).environment):
-        if record.get("backend") == backend and "layout" in record:
-            return int(record["layout"]["clients_in_parallel"])
+        if record.get("backend") == backend and key in record.get("layout", {}):
+            return int(record["layout"][key])
     return None
 
 

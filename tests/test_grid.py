@@ -89,6 +89,33 @@ def test_an_interrupted_grid_resumes_to_the_uninterrupted_result(grid01, tmp_pat
 
 
 @pytest.mark.slow  # an end-to-end run and its resume (CI's second step)
+def test_a_resumed_grid_keeps_the_layouts_it_began_with(tmp_path, monkeypatch):
+    """The layout cost model refitted between two processes of a grid (its CPU threshold
+    moved so that the runs and their clients, side by side when it began, would now go one
+    at a time): the grid and its members keep the layouts their first process recorded, and
+    end as the grid that went through."""
+    from fedjax_rcl.engine import layout
+
+    def layouts(run, key):
+        return [r["layout"][key] for r in map(
+            json.loads, (Path(run) / "environment.jsonl").read_text().splitlines())]
+
+    auto = [*GRID, "seeds=[0,1]", "runs_in_parallel=0"]  # runs: the cost model's choice
+    monkeypatch.setitem(layout.SIDE_BY_SIDE_BELOW_GFLOP, "cpu", float("inf"))
+    part = fedjax_rcl.train(None, *auto, "rounds=2", f"run_dir={tmp_path / 'g'}")
+    monkeypatch.setitem(layout.SIDE_BY_SIDE_BELOW_GFLOP, "cpu", 0.0)  # the refit
+    lines = []
+    again = fedjax_rcl.resume(part.run_dir, "rounds=3", log=lines.append)
+    assert layouts(again.run_dir, "runs_in_parallel") == [2, 2]
+    assert any("2 runs, side by side" in x for x in lines), lines
+    whole = fedjax_rcl.train(None, *GRID, "seeds=[0,1]", "runs_in_parallel=2",
+                             "clients_in_parallel=3", "rounds=3", f"run_dir={tmp_path / 'w'}")
+    for a, w in zip(again.members, whole.members, strict=True):
+        assert layouts(a.run_dir, "clients_in_parallel") == [0, 0]
+        assert _rows(a.run_dir) == _rows(w.run_dir)
+
+
+@pytest.mark.slow  # an end-to-end run and its resume (CI's second step)
 def test_a_grid_resumes_from_the_newest_round_every_member_has(grid01, tmp_path):
     part = fedjax_rcl.train(None, *GRID, "rounds=2", "seeds=[0,1]", "checkpoint_every=1",
                             f"run_dir={tmp_path / 'g'}")
