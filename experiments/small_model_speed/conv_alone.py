@@ -7,26 +7,16 @@ round. Run with the CNNs' XLA option:
         python experiments/small_model_speed/conv_alone.py
 """
 
-import time
-
 import jax
 import numpy as np
 from jax import lax
+from pool_vjp import seconds_per_call  # this folder's script, beside it on sys.path
 
 from fedjax_rcl.nn import conv
 
 IMPLS = {"onednn": conv.onednn_conv_general_dilated, "rows": conv.row_conv_general_dilated,
          "patches": conv.patch_conv_general_dilated, "native": lax.conv_general_dilated}
 NHWC = ("NHWC", "HWIO", "NHWC")
-
-
-def seconds_per_call(fn, *args, n=100) -> float:
-    jax.block_until_ready(fn(*args))
-    t = time.perf_counter()
-    for _ in range(n):
-        r = fn(*args)
-    jax.block_until_ready(r)
-    return (time.perf_counter() - t) / n
 
 
 def main() -> None:
@@ -44,7 +34,8 @@ def main() -> None:
                                                       dimension_numbers=NHWC))
                 both = jax.jit(lambda a, b, d, f=f: jax.vjp(
                     lambda u, v: f(u, v, (1, 1), "VALID", dimension_numbers=NHWC), a, b)[1](d))
-                tf, tb = seconds_per_call(forward, x, w), seconds_per_call(both, x, w, g)
+                tf = seconds_per_call(forward, x, w, n=100)
+                tb = seconds_per_call(both, x, w, g, n=100)
                 print(f"  {name:8s} forward {tf * 1e6:7.1f} us ({flop / tf / 1e9:5.1f} GFLOP/s)"
                       f"  forward + both gradients {tb * 1e6:7.1f} us"
                       f" ({3 * flop / tb / 1e9:5.1f} GFLOP/s)")

@@ -35,42 +35,8 @@ def slices(y):
                        jnp.maximum(y[:, 1::2, 0::2], y[:, 1::2, 1::2]))
 
 
-def first_maximum(y):
-    """The four slices' maximum, its gradient to the first maximum of each window in row-major
-    order (``torch.nn.MaxPool2d``'s rule): a subgradient, and after a ReLU the same gradient as
-    the model's (the only ties are all-zero windows, whose gradient the ReLU zeroes)."""
-
-    @jax.custom_vjp
-    def pool(y):
-        return slices(y)
-
-    def fwd(y):
-        out = slices(y)
-        return out, (y, out)
-
-    def bwd(res, g):
-        y, out = res
-        parts = (y[:, 0::2, 0::2], y[:, 0::2, 1::2], y[:, 1::2, 0::2], y[:, 1::2, 1::2])
-        taken = jnp.zeros(out.shape, bool)
-        grads = []
-        for p in parts:
-            hit = (p == out) & ~taken
-            taken = taken | hit
-            grads.append(jnp.where(hit, g, 0))
-        top = jnp.stack(grads[:2], axis=3)  # [B, Ho, Wo, 2, C]: window row 0, columns 0, 1
-        bottom = jnp.stack(grads[2:], axis=3)
-        b, ho, wo, c = out.shape
-        rows = jnp.stack([top.reshape(b, ho, 2 * wo, c), bottom.reshape(b, ho, 2 * wo, c)], 2)
-        return (rows.reshape(b, 2 * ho, 2 * wo, c),)
-
-    pool.defvjp(fwd, bwd)
-    return pool(y)
-
-
-def with_vjp(forward, *, split_ties=True, upsample="reshape"):
-    """``forward`` with the gradient written out: ``dy`` to the window's maxima (split equally
-    among ties as JAX's own rule does, or to every maximum), through a reshape of the input
-    or through the output repeated to the input's size."""
+def with_vjp(forward, backward):
+    """``forward`` with its gradient written out: ``backward(y, out, g) -> dy``."""
 
     @jax.custom_vjp
     def pool(y):
@@ -81,30 +47,59 @@ def with_vjp(forward, *, split_ties=True, upsample="reshape"):
         return out, (y, out)
 
     def bwd(res, g):
-        y, out = res
-        b, h, w, c = y.shape
-        if upsample == "reshape":
-            mask = y.reshape(b, h // 2, 2, w // 2, 2, c) == out[:, :, None, :, None, :]
-            gg = g[:, :, None, :, None, :]
-            if split_ties:
-                gg = gg / mask.sum(axis=(2, 4), keepdims=True).astype(y.dtype)
-            return (jnp.where(mask, gg, 0).reshape(b, h, w, c),)
-        up = jnp.repeat(jnp.repeat(out, 2, 1), 2, 2)
-        return (jnp.where(y == up, jnp.repeat(jnp.repeat(g, 2, 1), 2, 2), 0),)
+        return (backward(*res, g),)
 
     pool.defvjp(fwd, bwd)
     return pool
 
 
+def by_reshape(split_ties=True):
+    """``dy`` to the window's maxima through a reshape of the input: split equally among ties
+    as JAX's own rule does, or to every maximum."""
+
+    def backward(y, out, g):
+        b, h, w, c = y.shape
+        mask = y.reshape(b, h // 2, 2, w // 2, 2, c) == out[:, :, None, :, None, :]
+        gg = g[:, :, None, :, None, :]
+        if split_ties:
+            gg = gg / mask.sum(axis=(2, 4), keepdims=True).astype(y.dtype)
+        return jnp.where(mask, gg, 0).reshape(b, h, w, c)
+
+    return backward
+
+
+def by_repeat(y, out, g):
+    """``dy`` to every maximum, through the output repeated to the input's size."""
+    up = jnp.repeat(jnp.repeat(out, 2, 1), 2, 2)
+    return jnp.where(y == up, jnp.repeat(jnp.repeat(g, 2, 1), 2, 2), 0)
+
+
+def to_first_maximum(y, out, g):
+    """``dy`` to the first maximum of each window in row-major order (``torch.nn.MaxPool2d``'s
+    rule): a subgradient, and after a ReLU the same gradient as the model's (the only ties are
+    all-zero windows, whose gradient the ReLU zeroes)."""
+    parts = (y[:, 0::2, 0::2], y[:, 0::2, 1::2], y[:, 1::2, 0::2], y[:, 1::2, 1::2])
+    taken = jnp.zeros(out.shape, bool)
+    grads = []
+    for p in parts:
+        hit = (p == out) & ~taken
+        taken = taken | hit
+        grads.append(jnp.where(hit, g, 0))
+    top = jnp.stack(grads[:2], axis=3)  # [B, Ho, Wo, 2, C]: window row 0, columns 0, 1
+    bottom = jnp.stack(grads[2:], axis=3)
+    b, ho, wo, c = out.shape
+    rows = jnp.stack([top.reshape(b, ho, 2 * wo, c), bottom.reshape(b, ho, 2 * wo, c)], 2)
+    return rows.reshape(b, 2 * ho, 2 * wo, c)
+
+
 def main() -> None:
     rng = np.random.default_rng(0)
     variants = {"reshape-and-max (the model's)": reference,
-                "reshape-and-max, gradient written out": with_vjp(reference),
-                "slices, gradient written out": with_vjp(slices),
-                "slices, every maximum": with_vjp(slices, split_ties=False),
-                "slices, repeated output": with_vjp(slices, split_ties=False,
-                                                    upsample="repeat"),
-                "slices, first maximum (PyTorch's rule)": first_maximum}
+                "reshape-and-max, gradient written out": with_vjp(reference, by_reshape()),
+                "slices, gradient written out": with_vjp(slices, by_reshape()),
+                "slices, every maximum": with_vjp(slices, by_reshape(split_ties=False)),
+                "slices, repeated output": with_vjp(slices, by_repeat),
+                "slices, first maximum (PyTorch's rule)": with_vjp(slices, to_first_maximum)}
     # MOON's CNN's two pools at batch 50; pfl's CNN's (batch 10); MFCL's stem (batch 64).
     for shape in [(50, 28, 28, 6), (50, 10, 10, 16), (10, 28, 28, 64), (64, 32, 32, 64)]:
         b, h, w, c = shape
