@@ -520,7 +520,13 @@ def train_grid(cfg: CoreConfig, *, dataset: ImageDataset | None = None, progress
         check_sweep(exps, cfg.sweep.key)
         return exps
 
-    with new_run(cfg, prepare, command=command, layout=_grid_layout) as (parent, exps):
+    recorded: dict = {}  # the grid's layout as its first record has it, decided once
+
+    def grid_layout(exps: list[Experiment]) -> dict:
+        recorded.update(_grid_layout(exps))
+        return recorded
+
+    with new_run(cfg, prepare, command=command, layout=grid_layout) as (parent, exps):
         cfgs = member_configs(cfg, parent)
         exps = [dataclasses.replace(e, cfg=c) for e, c in zip(exps, cfgs, strict=True)]
         with contextlib.ExitStack() as members:
@@ -538,7 +544,8 @@ def train_grid(cfg: CoreConfig, *, dataset: ImageDataset | None = None, progress
                             [checkpoint_meta(c, 0, None) for c in cfgs], "round 0")
             return _run_grid(parent, exps, ckpts, _stack([e.state for e in exps]), 0,
                              [None] * len(exps), progress=progress, log=log,
-                             callbacks=callbacks, key=cfg.sweep.key)
+                             callbacks=callbacks, key=cfg.sweep.key,
+                             runs_layout=recorded.get("runs_in_parallel"))
 
 
 def continue_grid(run_dir: Path, cfg: CoreConfig, *, force: bool = False,
@@ -578,14 +585,14 @@ def continue_grid(run_dir: Path, cfg: CoreConfig, *, force: bool = False,
             c.set_aside([s for s in c.steps() if s > done])
             cut_back(Path(e.cfg.run_dir), e.cfg, done, command=command,
                      layout=layout_record(e))
-        resumed_records(run_dir, cfg, [], command=command, first=done,
-                        layout=_grid_layout(exps, runs_layout))
+        grid = _grid_layout(exps, runs_layout)  # decided once: recorded and compiled
+        resumed_records(run_dir, cfg, [], command=command, first=done, layout=grid)
         log(f"resuming {len(exps)} runs from the checkpoints of round {done} (of {cfg.rounds})")
         states = _stack([e.table.restore(r.state) for e, r in zip(exps, restored, strict=True)])
         return _run_grid(run_dir, exps, ckpts, states, done,
                          [r.meta.get("test_accuracy_ema") for r in restored],
                          progress=progress, log=log, callbacks=callbacks,
-                         key=cfg.sweep.key, runs_layout=runs_layout)
+                         key=cfg.sweep.key, runs_layout=grid["runs_in_parallel"])
 
 
 def _restore_common(exps: list[Experiment], ckpts: list[Checkpointer], force: bool) -> list:
