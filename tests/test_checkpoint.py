@@ -20,6 +20,7 @@ from conftest import TINY_RUN
 import fedjax_rcl
 from fedjax_rcl.cli import main
 from fedjax_rcl.config import ConfigError, load_config
+from fedjax_rcl.nn import onednn
 from fedjax_rcl.training import evaluate_run, restore_run, resume_single, train
 
 # Small and fast: 10 digits clients, 2 per round, one local epoch.
@@ -100,6 +101,9 @@ def test_a_resumed_run_keeps_the_layout_it_began_with(tiny_run, tmp_path, monkey
     _assert_same_state(_final_state(run), _final_state(tiny_run))
 
     records = [json.loads(x) for x in (run / "environment.jsonl").read_text().splitlines()]
+    # Each process also records what its pools ran (the CPU kernel where it builds).
+    pools = "kernel" if onednn.available() else "xla"
+    assert [r["layout"]["bias_relu_max_pool"] for r in records] == [pools, pools]
     for r in records:
         del r["layout"]
     (run / "environment.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))

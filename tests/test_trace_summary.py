@@ -55,6 +55,7 @@ ENTRY %main.9 (x: f32[8,16,16,4], w: f32[3,3,4,8], y: f32[8,64], z: f32[64,10]) 
   %cudnn-conv.1 = (f32[8,8], u8[0]) custom-call(%x, %w), custom_call_target="__cudnn$convForward"
   %cublas-gemm.1 = (f32[8,10], s8[0]) custom-call(%y, %z), custom_call_target="__cublas$gemm"
   %gn.1 = (f32[8,64], f32[8,2]) custom-call(%y), custom_call_target="fedjax_group_norm_forward"
+  %mp.1 = f32[8,8,8,8] custom-call(%x), custom_call_target="fedjax_bias_relu_max_pool_forward"
   %o1 = f32[8,16,16,8] custom-call(%x, %w), custom_call_target="fedjax_onednn_conv_forward"
   %o2 = f32[3,3,4,8] custom-call(%x, %o1), custom_call_target="fedjax_onednn_conv_backward_weights"
   %rng = u32[4]{0} rng-bit-generator(%w), algorithm=rng_default
@@ -71,6 +72,7 @@ def test_operations_are_categorised_by_what_the_hlo_says_they_compute():
     assert cats["gemm_fusion_dot.2"] == "matmul"  # a fusion holding a dot
     assert cats["cublas-gemm.1"] == "matmul"
     assert cats["gn.1"] == "elementwise"  # the GroupNorm kernels do what XLA's fusions would
+    assert cats["mp.1"] == "elementwise"  # and the bias + ReLU + pool kernels
     assert cats["dot.9"] == "matmul"
     assert cats["transpose_fusion"] == "copy"  # only slicing and transposing
     assert cats["loop_add_fusion"] == "elementwise"

@@ -6,7 +6,13 @@ package runs it now, in one run: fresh processes in rotation, one round timed af
   (YNNPACK's, `--xla_cpu_experimental_ynn_fusion_type=reduce`, which the user's `XLA_FLAGS`
   gives back over the model's option) and libgomp's default spin (`GOMP_SPINCOUNT=300000`
   alone, libgomp's own value, which keeps the model's thread settings out);
-- ``after``: the defaults (one client after another, no YNNPACK fusions, OpenMP's spin).
+- ``spin``: one client after another, no YNNPACK fusions, OpenMP's spin, and XLA's fusions of
+  the convolutions' bias, ReLU and pool (the previous ``after``, 2026-11-30);
+- ``after``: the defaults (the same, with the bias + ReLU + pool kernel,
+  ``fedjax_rcl.nn.pool.bias_relu_max_pool``).
+
+``before`` and ``spin`` run the pools as XLA's fusions (``pool.resolve_impl`` replaced in their
+processes).
 
     CIFAR10_JPEG_ZIP=/path/cifar10-jpeg.zip \\
         python experiments/small_model_speed/moon_round_before_after.py --passes 2 --json out.json
@@ -21,10 +27,11 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-SETTINGS = {
+SETTINGS = {  # name: (environment, config overrides, pool implementation)
     "before": ({"XLA_FLAGS": "--xla_cpu_experimental_ynn_fusion_type=reduce",
-                "GOMP_SPINCOUNT": "300000"}, ["clients_in_parallel=10"]),
-    "after": ({}, []),
+                "GOMP_SPINCOUNT": "300000"}, ["clients_in_parallel=10"], "xla"),
+    "spin": ({}, [], "xla"),
+    "after": ({}, [], "auto"),
 }
 CLEAR = ("XLA_FLAGS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
 
@@ -34,8 +41,12 @@ def child(name: str) -> None:
 
     from fedjax_rcl.config import load_config
     from fedjax_rcl.experiment import build
+    from fedjax_rcl.nn import pool
     from fedjax_rcl.training import compile_program
 
+    impl = SETTINGS[name][2]
+    if impl != "auto":
+        pool.resolve_impl = lambda *_: impl
     cfg = load_config(str(ROOT / "experiments/paper/moon_cifar10_cnn.yaml"),
                       ["algorithm=moon", "rounds=2", *SETTINGS[name][1],
                        f"dataset=imagefolder:{os.environ['CIFAR10_JPEG_ZIP']}"])
@@ -61,7 +72,7 @@ def main() -> None:
         return child(args.child)
     rows = []
     for p in range(args.passes):
-        for name, (env, _) in SETTINGS.items():
+        for name, (env, _, _) in SETTINGS.items():
             run_env = {k: v for k, v in os.environ.items() if k not in CLEAR} | env
             out = subprocess.run([sys.executable, __file__, "--child", name], env=run_env,
                                  capture_output=True, text=True, check=True).stdout

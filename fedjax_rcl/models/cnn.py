@@ -13,7 +13,7 @@ import jax
 from fedjax_rcl.models.base import ModelOutput
 from fedjax_rcl.models.parts import head
 from fedjax_rcl.nn.conv import torch_conv, torch_dense
-from fedjax_rcl.nn.pool import max_pool
+from fedjax_rcl.nn.pool import bias_relu_max_pool
 
 
 class SmallCNN(nn.Module):
@@ -40,9 +40,9 @@ class SmallCNN(nn.Module):
         for i, width in enumerate((6, 16)):
             if i < start:
                 continue
-            x = torch_conv(x.shape[-1], width, 5, name=f"conv{i + 1}")(x)
-            levels.append(x)
-            x = max_pool(nn.relu(x), 2)
+            y, bias = torch_conv(x.shape[-1], width, 5, split_bias=True, name=f"conv{i + 1}")(x)
+            levels.append(y + bias)  # computed only where an algorithm reads the levels
+            x = bias_relu_max_pool(y, bias, 2)
             blocks.append(x)
         x = x.reshape(x.shape[0], -1)
         for i, width in enumerate((120, 84)):

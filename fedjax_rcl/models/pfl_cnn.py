@@ -23,7 +23,7 @@ from fedjax_rcl.models.base import ModelOutput
 from fedjax_rcl.models.parts import head
 from fedjax_rcl.nn.conv import torch_conv, torch_dense
 from fedjax_rcl.nn.dropout import Dropout
-from fedjax_rcl.nn.pool import max_pool
+from fedjax_rcl.nn.pool import bias_relu_max_pool
 
 
 class PflCNN(nn.Module):
@@ -48,11 +48,15 @@ class PflCNN(nn.Module):
         for i, width in enumerate((32, 64)):
             if i < start:
                 continue
-            x = torch_conv(x.shape[-1], width, 3, name=f"conv{i + 1}")(x)
-            levels.append(x)
-            x = nn.relu(x)
-            if i == 1:
-                x = max_pool(x, 2)
+            if i == 1:  # the pool takes the bias, the ReLU and their gradients in its pass
+                y, bias = torch_conv(x.shape[-1], width, 3, split_bias=True,
+                                     name=f"conv{i + 1}")(x)
+                levels.append(y + bias)  # computed only where an algorithm reads the levels
+                x = bias_relu_max_pool(y, bias, 2)
+            else:
+                x = torch_conv(x.shape[-1], width, 3, name=f"conv{i + 1}")(x)
+                levels.append(x)
+                x = nn.relu(x)
             blocks.append(x)
         if start <= 2:
             x = Dropout(self.dropout[0], deterministic=not train)(x)

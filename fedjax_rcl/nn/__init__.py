@@ -13,7 +13,7 @@ from fedjax_rcl.nn.conv import (
 )
 from fedjax_rcl.nn.dropout import Dropout, dropout_mask
 from fedjax_rcl.nn.norm import NORMS, Norm
-from fedjax_rcl.nn.pool import max_pool
+from fedjax_rcl.nn.pool import bias_relu_max_pool, max_pool
 from fedjax_rcl.nn.twin_norm import TwinNorm, twin_norm
 
 __all__ = [
@@ -22,6 +22,7 @@ __all__ = [
     "NORMS",
     "TwinNorm",
     "Norm",
+    "bias_relu_max_pool",
     "cpu_conv_general_dilated",
     "dropout_mask",
     "max_pool",

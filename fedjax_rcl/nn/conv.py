@@ -606,6 +606,20 @@ def torch_bias_init(fan_in: int):
     return init
 
 
+class SplitBiasConv(nn.Conv):
+    """An ``nn.Conv`` built with ``use_bias=False`` that also owns the ``bias`` parameter and
+    returns ``(conv(x), bias)`` unsummed, for a next step that adds the bias in its own pass
+    (``fedjax_rcl.nn.pool.bias_relu_max_pool``). Its parameters have ``nn.Conv``'s names and
+    shapes and are created in its order, so a model's parameters, initial values and
+    checkpoints are the same as with the biased layer."""
+
+    @nn.compact
+    def __call__(self, inputs: jax.Array) -> tuple[jax.Array, jax.Array]:
+        y = super().__call__(inputs)
+        bias = self.param("bias", self.bias_init, (self.features,), self.param_dtype)
+        return y, bias.astype(jnp.result_type(y, bias))
+
+
 def torch_conv(
     in_features: int,
     features: int,
@@ -616,6 +630,7 @@ def torch_conv(
     use_bias: bool = True,
     groups: int = 1,
     kernel_init=None,
+    split_bias: bool = False,
     name: str | None = None,
 ) -> nn.Conv:
     """A Flax ``Conv`` that behaves like ``torch.nn.Conv2d``: symmetric padding, PyTorch init.
@@ -624,14 +639,16 @@ def torch_conv(
     The explicit pair keeps the two identical. It computes with ``conv_general_dilated``: the
     implementation in force when it is traced (``implementation``); ``groups > 1`` gives
     grouped and depthwise convolutions. ``kernel_init`` overrides PyTorch's default
-    initialisation.
+    initialisation. ``split_bias``: a ``SplitBiasConv``, returning ``(conv(x), bias)``.
     """
-    return nn.Conv(
+    if split_bias and not use_bias:
+        raise ValueError("torch_conv: split_bias needs use_bias")
+    return (SplitBiasConv if split_bias else nn.Conv)(
         features,
         (kernel_size, kernel_size),
         strides=(stride, stride),
         padding=((padding, padding), (padding, padding)),
-        use_bias=use_bias,
+        use_bias=use_bias and not split_bias,
         feature_group_count=groups,
         kernel_init=kernel_init or torch_kernel_init,
         bias_init=torch_bias_init(in_features // groups * kernel_size * kernel_size),
@@ -652,6 +669,7 @@ def torch_dense(in_features: int, features: int, *, name: str | None = None) -> 
 
 __all__ = [
     "CONV_IMPLS",
+    "SplitBiasConv",
     "choose",
     "conv_general_dilated",
     "cpu_conv_general_dilated",

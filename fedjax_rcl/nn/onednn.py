@@ -39,6 +39,7 @@ import numpy as np
 
 SOURCE = Path(__file__).parent / "csrc" / "onednn_conv.cc"
 GROUP_NORM_SOURCE = Path(__file__).parent / "csrc" / "group_norm.cc"
+MAX_POOL_SOURCE = Path(__file__).parent / "csrc" / "max_pool.cc"
 # FFI target name -> exported handler symbol: the convolutions, then the GroupNorm kernels.
 TARGETS = {
     "fedjax_onednn_conv_forward": "FedjaxOnednnConvForward",
@@ -48,6 +49,10 @@ TARGETS = {
 GROUP_NORM_TARGETS = {
     "fedjax_group_norm_forward": "FedjaxGroupNormForward",
     "fedjax_group_norm_backward": "FedjaxGroupNormBackward",
+}
+MAX_POOL_TARGETS = {
+    "fedjax_bias_relu_max_pool_forward": "FedjaxBiasReluMaxPoolForward",
+    "fedjax_bias_relu_max_pool_backward": "FedjaxBiasReluMaxPoolBackward",
 }
 _HEADERS_DIST, _LIBRARY_DIST = "onednn-devel-cpu-gomp", "onednn-cpu-gomp"
 
@@ -158,7 +163,7 @@ def _compile(inputs: dict, out: Path) -> None:
 
 
 def _sources() -> tuple[Path, ...]:
-    return (SOURCE, GROUP_NORM_SOURCE)
+    return (SOURCE, GROUP_NORM_SOURCE, MAX_POOL_SOURCE)
 
 
 def _libgomp_loaded() -> bool:
@@ -189,7 +194,7 @@ def _load() -> ctypes.CDLL | OneDnnUnavailable:
     library, or the reason it is unavailable."""
     try:
         lib = ctypes.CDLL(str(_build(_build_inputs())))
-        for target, symbol in {**TARGETS, **GROUP_NORM_TARGETS}.items():
+        for target, symbol in {**TARGETS, **GROUP_NORM_TARGETS, **MAX_POOL_TARGETS}.items():
             jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)),
                                         platform="cpu")
         return lib
@@ -224,14 +229,16 @@ def _library() -> ctypes.CDLL:
     return loaded
 
 
-def call(target: str, result_shapes, *operands, **attributes):
+def call(target: str, result_shapes, *operands, vmap_method: str = "sequential",
+         **attributes):
     """Calls one of the extension's FFI targets; ``result_shapes`` a ``ShapeDtypeStruct`` or a
-    tuple of them (the results likewise)."""
+    tuple of them (the results likewise). Under vmap (clients side by side) the call runs
+    once per client by default (``"sequential"``: the convolutions, whose clients each have
+    their own weights); a target that takes leading batch axes itself says
+    ``"broadcast_all"`` (``jax.ffi.ffi_call``'s ``vmap_method``)."""
     _library()  # registers the targets before the call is traced
-    # Under vmap (clients side by side) the call runs once per client: on CPU that is the
-    # right schedule anyway, and each client has its own parameters.
-    out = jax.ffi.ffi_call(target, result_shapes, vmap_method="sequential")(*operands,
-                                                                           **attributes)
+    out = jax.ffi.ffi_call(target, result_shapes, vmap_method=vmap_method)(*operands,
+                                                                          **attributes)
     # Inside shard_map an FFI result is typed device-invariant; it varies over the mesh axes
     # its operands vary over (what autodiff inside shard_map relies on).
     varying = frozenset().union(*map(_varying_axes, operands))
