@@ -113,6 +113,33 @@ def test_vmapped_gradients_match_native():
 
 
 @needs_onednn
+def test_one_call_for_all_clients_is_each_clients_own_call():
+    """Under vmap the kernels take every client in one call (``expand_dims``): forward and both
+    gradients are bitwise each client's own call, also with the images or the kernel shared by
+    all clients (an axis of 1) and under two vmaps."""
+    xs = jax.random.normal(jax.random.PRNGKey(5), (3, 2, 9, 9, 4))
+    ws = jax.random.normal(jax.random.PRNGKey(6), (3, 3, 3, 4, 5)) / 6.0
+    conv = lambda x, w: _ours(x, w)  # noqa: E731
+    value_and_grads = jax.value_and_grad(lambda x, w: jnp.sum(jnp.sin(conv(x, w))),
+                                         argnums=(0, 1))
+    out = jax.jit(lambda x, w: (jax.vmap(conv)(x, w), jax.vmap(value_and_grads)(x, w)))
+    alone = jax.jit(lambda x, w: (conv(x, w), value_and_grads(x, w)))
+    for axes, pick in (((0, 0), lambda k: (xs[k], ws[k])), ((None, 0), lambda k: (xs[0], ws[k])),
+                       ((0, None), lambda k: (xs[k], ws[0]))):
+        together = jax.jit(lambda x, w, axes=axes: (
+            jax.vmap(conv, in_axes=axes)(x, w),
+            jax.vmap(value_and_grads, in_axes=axes)(x, w)))(
+            xs if axes[0] == 0 else xs[0], ws if axes[1] == 0 else ws[0])
+        for k in range(3):
+            mine = alone(*pick(k))
+            chex.assert_trees_all_equal(jax.tree.map(lambda a, k=k: a[k], together), mine)
+    nested = jax.jit(lambda x, w: jax.vmap(jax.vmap(value_and_grads))(x, w))(
+        xs.reshape(1, *xs.shape), ws.reshape(1, *ws.shape))
+    flat = out(xs, ws)[1]
+    chex.assert_trees_all_equal(jax.tree.map(lambda a: a[0], nested), flat)
+
+
+@needs_onednn
 def test_results_are_deterministic():
     """Bit-identical results call after call (resume reproduces a run exactly)."""
     x, w = _data(5, (8, 16, 16, 16), (3, 3, 16, 32))

@@ -233,9 +233,9 @@ def call(target: str, result_shapes, *operands, vmap_method: str = "sequential",
          **attributes):
     """Calls one of the extension's FFI targets; ``result_shapes`` a ``ShapeDtypeStruct`` or a
     tuple of them (the results likewise). Under vmap (clients side by side) the call runs
-    once per client by default (``"sequential"``: the convolutions, whose clients each have
-    their own weights); a target that takes leading batch axes itself says
-    ``"broadcast_all"`` (``jax.ffi.ffi_call``'s ``vmap_method``)."""
+    once per client by default (``"sequential"``, XLA's loop over the clients); a target that
+    takes leading batch axes itself says ``"broadcast_all"`` or ``"expand_dims"``
+    (``jax.ffi.ffi_call``'s ``vmap_method``): the convolutions and the pool kernel do."""
     _library()  # registers the targets before the call is traced
     out = jax.ffi.ffi_call(target, result_shapes, vmap_method=vmap_method)(*operands,
                                                                           **attributes)
@@ -253,8 +253,10 @@ def call(target: str, result_shapes, *operands, vmap_method: str = "sequential",
 def _call(target: str, out_shape, *operands, strides, padding):
     (pt, pb), (pl, pr) = padding
     sh, sw = strides
+    # Under vmap the handlers take every client in one call, looping over them on slices of
+    # the stacked buffers (csrc/onednn_conv.cc); an unbatched operand comes with axes of 1.
     return call(target, jax.ShapeDtypeStruct(out_shape, operands[0].dtype), *operands,
-                stride_h=np.int64(sh), stride_w=np.int64(sw), pad_top=np.int64(pt),
+                vmap_method="expand_dims", stride_h=np.int64(sh), stride_w=np.int64(sw), pad_top=np.int64(pt),
                 pad_bottom=np.int64(pb), pad_left=np.int64(pl), pad_right=np.int64(pr))
 
 

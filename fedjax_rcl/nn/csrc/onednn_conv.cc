@@ -11,6 +11,12 @@
 // handler caches its oneDNN primitives by geometry and type (built once per shape, i.e. once
 // per compiled layer) and executes them with a per-call scratchpad, so concurrent calls from
 // XLA's threads are safe.
+//
+// Under jax.vmap (clients side by side, each with its own kernel) a handler takes the whole
+// batch in one call (vmap_method="expand_dims"): every operand and result has the same number
+// of leading axes, an operand's either the result's size or 1 (one slice shared by all), and
+// the handler runs the convolution once per leading index on slices of the buffers, in order.
+// XLA would otherwise loop over the clients itself, copying each client's slices in and out.
 
 #include <cstdint>
 #include <memory>
@@ -18,6 +24,7 @@
 #include <stdexcept>
 #include <string>
 #include <unordered_map>
+#include <vector>
 
 #include "dnnl.hpp"
 #include "xla/ffi/api/ffi.h"
@@ -151,30 +158,87 @@ memory::data_type DataType(ffi::DataType a, ffi::DataType b, ffi::DataType c) {
   }
 }
 
+// The leading (vmap) axes of a call: `lead` of them on every operand and result; the result's
+// give the number of convolutions, an operand's are the result's or 1.
+class Batch {
+ public:
+  Batch(ffi::Span<const int64_t> result, size_t lead) : dims_(result.begin(),
+                                                            result.begin() + lead) {
+    for (int64_t d : dims_) count_ *= d;
+  }
+  int64_t count() const { return count_; }
+  size_t lead() const { return dims_.size(); }
+
+  // The element offset of convolution t's slice of an operand of shape `dims`.
+  int64_t Offset(int64_t t, ffi::Span<const int64_t> dims) const {
+    int64_t inner = 1;
+    for (size_t i = dims_.size(); i < dims.size(); ++i) inner *= dims[i];
+    int64_t offset = 0, stride = inner;
+    for (size_t i = dims_.size(); i-- > 0;) {
+      const int64_t index = t % dims_[i];
+      t /= dims_[i];
+      if (dims[i] != 1) offset += index * stride;
+      stride *= dims[i];
+    }
+    return offset;
+  }
+
+  void Check(ffi::Span<const int64_t> dims) const {
+    if (dims.size() != dims_.size() + 4) throw std::invalid_argument("operand rank");
+    for (size_t i = 0; i < dims_.size(); ++i) {
+      if (dims[i] != dims_[i] && dims[i] != 1) {
+        throw std::invalid_argument("leading axes differ from the result's");
+      }
+    }
+  }
+
+ private:
+  std::vector<int64_t> dims_;
+  int64_t count_ = 1;
+};
+
+size_t Bytes(memory::data_type dt) { return dt == memory::data_type::f32 ? 4 : 2; }
+
+// Convolution t's slice of a buffer.
+void* Slice(void* data, const Batch& batch, int64_t t, ffi::Span<const int64_t> dims,
+            memory::data_type dt) {
+  return static_cast<char*>(data) + batch.Offset(t, dims) * Bytes(dt);
+}
+
 Geometry MakeGeometry(ffi::Span<const int64_t> in, ffi::Span<const int64_t> kernel,
                       ffi::Span<const int64_t> out, int64_t sh, int64_t sw, int64_t pt,
-                      int64_t pb, int64_t pl, int64_t pr, memory::data_type dt) {
-  return Geometry{in[0], in[1], in[2], in[3], out[1], out[2], out[3], kernel[0], kernel[1],
-                  sh, sw, pt, pb, pl, pr, dt};
+                      int64_t pb, int64_t pl, int64_t pr, memory::data_type dt,
+                      const Batch& batch) {
+  batch.Check(in);
+  batch.Check(kernel);
+  batch.Check(out);
+  const size_t l = batch.lead();
+  return Geometry{in[l], in[l + 1], in[l + 2], in[l + 3], out[l + 1], out[l + 2], out[l + 3],
+                  kernel[l], kernel[l + 1], sh, sw, pt, pb, pl, pr, dt};
 }
 
 // y = conv(x, w): x [B, H, W, Cin], w [kh, kw, Cin, Cout] -> y [B, Ho, Wo, Cout].
 ffi::Error ConvForwardImpl(Any x, Any w, AnyResult y, int64_t sh, int64_t sw, int64_t pt,
                            int64_t pb, int64_t pl, int64_t pr) {
   return Guarded([&] {
+    const Batch batch(y->dimensions(), y->dimensions().size() - 4);
+    const auto dt = DataType(x.element_type(), w.element_type(), y->element_type());
     const auto g = MakeGeometry(x.dimensions(), w.dimensions(), y->dimensions(), sh, sw, pt,
-                                pb, pl, pr,
-                                DataType(x.element_type(), w.element_type(), y->element_type()));
+                                pb, pl, pr, dt, batch);
     const auto& p = Lookup(g);
     auto& eng = Engine();
     dnnl::stream s(eng);
-    memory src(p.src, eng, x.untyped_data()), dst(p.dst, eng, y->untyped_data());
-    memory weights = Reordered(s, p.to_fwd, p.to_fwd_pd,
-                               memory(p.weights_user, eng, w.untyped_data()),
-                               p.fwd_pd.weights_desc());
-    p.fwd.execute(s, {{DNNL_ARG_SRC, src}, {DNNL_ARG_WEIGHTS, weights}, {DNNL_ARG_DST, dst},
-                      {DNNL_ARG_SCRATCHPAD, Scratch(p.fwd_pd.scratchpad_desc())}});
-    s.wait();
+    for (int64_t t = 0; t < batch.count(); ++t) {
+      memory src(p.src, eng, Slice(x.untyped_data(), batch, t, x.dimensions(), dt));
+      memory dst(p.dst, eng, Slice(y->untyped_data(), batch, t, y->dimensions(), dt));
+      memory weights = Reordered(
+          s, p.to_fwd, p.to_fwd_pd,
+          memory(p.weights_user, eng, Slice(w.untyped_data(), batch, t, w.dimensions(), dt)),
+          p.fwd_pd.weights_desc());
+      p.fwd.execute(s, {{DNNL_ARG_SRC, src}, {DNNL_ARG_WEIGHTS, weights}, {DNNL_ARG_DST, dst},
+                        {DNNL_ARG_SCRATCHPAD, Scratch(p.fwd_pd.scratchpad_desc())}});
+      s.wait();
+    }
   });
 }
 
@@ -182,20 +246,25 @@ ffi::Error ConvForwardImpl(Any x, Any w, AnyResult y, int64_t sh, int64_t sw, in
 ffi::Error ConvBackwardDataImpl(Any dy, Any w, AnyResult dx, int64_t sh, int64_t sw, int64_t pt,
                                 int64_t pb, int64_t pl, int64_t pr) {
   return Guarded([&] {
+    const Batch batch(dx->dimensions(), dx->dimensions().size() - 4);
+    const auto dt = DataType(dy.element_type(), w.element_type(), dx->element_type());
     const auto g = MakeGeometry(dx->dimensions(), w.dimensions(), dy.dimensions(), sh, sw, pt,
-                                pb, pl, pr,
-                                DataType(dy.element_type(), w.element_type(), dx->element_type()));
+                                pb, pl, pr, dt, batch);
     const auto& p = Lookup(g);
     auto& eng = Engine();
     dnnl::stream s(eng);
-    memory diff_dst(p.dst, eng, dy.untyped_data()), diff_src(p.src, eng, dx->untyped_data());
-    memory weights = Reordered(s, p.to_bwd_data, p.to_bwd_data_pd,
-                               memory(p.weights_user, eng, w.untyped_data()),
-                               p.bwd_data_pd.weights_desc());
-    p.bwd_data.execute(s, {{DNNL_ARG_DIFF_DST, diff_dst}, {DNNL_ARG_WEIGHTS, weights},
-                           {DNNL_ARG_DIFF_SRC, diff_src},
-                           {DNNL_ARG_SCRATCHPAD, Scratch(p.bwd_data_pd.scratchpad_desc())}});
-    s.wait();
+    for (int64_t t = 0; t < batch.count(); ++t) {
+      memory diff_dst(p.dst, eng, Slice(dy.untyped_data(), batch, t, dy.dimensions(), dt));
+      memory diff_src(p.src, eng, Slice(dx->untyped_data(), batch, t, dx->dimensions(), dt));
+      memory weights = Reordered(
+          s, p.to_bwd_data, p.to_bwd_data_pd,
+          memory(p.weights_user, eng, Slice(w.untyped_data(), batch, t, w.dimensions(), dt)),
+          p.bwd_data_pd.weights_desc());
+      p.bwd_data.execute(s, {{DNNL_ARG_DIFF_DST, diff_dst}, {DNNL_ARG_WEIGHTS, weights},
+                             {DNNL_ARG_DIFF_SRC, diff_src},
+                             {DNNL_ARG_SCRATCHPAD, Scratch(p.bwd_data_pd.scratchpad_desc())}});
+      s.wait();
+    }
   });
 }
 
@@ -203,26 +272,31 @@ ffi::Error ConvBackwardDataImpl(Any dy, Any w, AnyResult dx, int64_t sh, int64_t
 ffi::Error ConvBackwardWeightsImpl(Any x, Any dy, AnyResult dw, int64_t sh, int64_t sw,
                                    int64_t pt, int64_t pb, int64_t pl, int64_t pr) {
   return Guarded([&] {
+    const Batch batch(dw->dimensions(), dw->dimensions().size() - 4);
+    const auto dt = DataType(x.element_type(), dy.element_type(), dw->element_type());
     const auto g = MakeGeometry(x.dimensions(), dw->dimensions(), dy.dimensions(), sh, sw, pt,
-                                pb, pl, pr,
-                                DataType(x.element_type(), dy.element_type(), dw->element_type()));
+                                pb, pl, pr, dt, batch);
     const auto& p = Lookup(g);
     auto& eng = Engine();
     dnnl::stream s(eng);
-    memory src(p.src, eng, x.untyped_data()), diff_dst(p.dst, eng, dy.untyped_data());
-    memory user(p.weights_user, eng, dw->untyped_data());
     const auto& internal_md = p.bwd_weights_pd.diff_weights_desc();
-    memory diff_weights = internal_md == p.weights_user ? user : memory(internal_md, eng);
-    p.bwd_weights.execute(s, {{DNNL_ARG_SRC, src}, {DNNL_ARG_DIFF_DST, diff_dst},
-                              {DNNL_ARG_DIFF_WEIGHTS, diff_weights},
-                              {DNNL_ARG_SCRATCHPAD,
-                               Scratch(p.bwd_weights_pd.scratchpad_desc())}});
-    if (internal_md != p.weights_user) {
-      p.from_bwd_weights.execute(
-          s, {{DNNL_ARG_FROM, diff_weights}, {DNNL_ARG_TO, user},
-              {DNNL_ARG_SCRATCHPAD, Scratch(p.from_bwd_weights_pd.scratchpad_desc())}});
+    for (int64_t t = 0; t < batch.count(); ++t) {
+      memory src(p.src, eng, Slice(x.untyped_data(), batch, t, x.dimensions(), dt));
+      memory diff_dst(p.dst, eng, Slice(dy.untyped_data(), batch, t, dy.dimensions(), dt));
+      memory user(p.weights_user, eng,
+                  Slice(dw->untyped_data(), batch, t, dw->dimensions(), dt));
+      memory diff_weights = internal_md == p.weights_user ? user : memory(internal_md, eng);
+      p.bwd_weights.execute(s, {{DNNL_ARG_SRC, src}, {DNNL_ARG_DIFF_DST, diff_dst},
+                                {DNNL_ARG_DIFF_WEIGHTS, diff_weights},
+                                {DNNL_ARG_SCRATCHPAD,
+                                 Scratch(p.bwd_weights_pd.scratchpad_desc())}});
+      if (internal_md != p.weights_user) {
+        p.from_bwd_weights.execute(
+            s, {{DNNL_ARG_FROM, diff_weights}, {DNNL_ARG_TO, user},
+                {DNNL_ARG_SCRATCHPAD, Scratch(p.from_bwd_weights_pd.scratchpad_desc())}});
+      }
+      s.wait();
     }
-    s.wait();
   });
 }
 
