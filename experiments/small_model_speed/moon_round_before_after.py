@@ -7,12 +7,13 @@ package runs it now, in one run: fresh processes in rotation, one round timed af
   gives back over the model's option) and libgomp's default spin (`GOMP_SPINCOUNT=300000`
   alone, libgomp's own value, which keeps the model's thread settings out);
 - ``spin``: one client after another, no YNNPACK fusions, OpenMP's spin, and XLA's fusions of
-  the convolutions' bias, ReLU and pool (the previous ``after``, 2026-11-30);
-- ``after``: the defaults (the same, with the bias + ReLU + pool kernel,
-  ``fedjax_rcl.nn.pool.bias_relu_max_pool``).
+  the convolutions' bias, ReLU and pool (the first ``after``, 2026-11-30);
+- ``after``: the defaults (the bias + ReLU + pool kernel, ``fedjax_rcl.nn.pool.
+  bias_relu_max_pool``; the convolutions and pools taking all the clients in one call; the
+  layout the cost model then picks: side by side since its refit to those).
 
-``before`` and ``spin`` run the pools as XLA's fusions (``pool.resolve_impl`` replaced in their
-processes).
+``before`` and ``spin`` run the pools as XLA's fusions and the convolutions under vmap as one
+FFI call per client (``_kernels_then``, in their processes).
 
     CIFAR10_JPEG_ZIP=/path/cifar10-jpeg.zip \\
         python experiments/small_model_speed/moon_round_before_after.py --passes 2 --json out.json
@@ -27,12 +28,26 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-SETTINGS = {  # name: (environment, config overrides, pool implementation)
+SETTINGS = {  # name: (environment, config overrides, the package's kernels then)
     "before": ({"XLA_FLAGS": "--xla_cpu_experimental_ynn_fusion_type=reduce",
-                "GOMP_SPINCOUNT": "300000"}, ["clients_in_parallel=10"], "xla"),
-    "spin": ({}, [], "xla"),
-    "after": ({}, [], "auto"),
+                "GOMP_SPINCOUNT": "300000"}, ["clients_in_parallel=10"], "then"),
+    "spin": ({}, ["clients_in_parallel=1"], "then"),
+    "after": ({}, [], "now"),
 }
+
+
+def _kernels_then() -> None:
+    """This process's pools as XLA's fusions, and its convolutions under vmap one FFI call per
+    client (XLA's loop), as the package ran them before the pool kernel and the one-call change."""
+    from fedjax_rcl.nn import onednn, pool
+
+    pool.resolve_impl = lambda *_: "xla"
+    call = onednn.call
+
+    def sequential(target, *args, vmap_method="sequential", **kwargs):
+        return call(target, *args, vmap_method="sequential", **kwargs)
+
+    onednn.call = sequential
 CLEAR = ("XLA_FLAGS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
 
 
@@ -41,12 +56,10 @@ def child(name: str) -> None:
 
     from fedjax_rcl.config import load_config
     from fedjax_rcl.experiment import build
-    from fedjax_rcl.nn import pool
     from fedjax_rcl.training import compile_program
 
-    impl = SETTINGS[name][2]
-    if impl != "auto":
-        pool.resolve_impl = lambda *_: impl
+    if SETTINGS[name][2] == "then":
+        _kernels_then()
     cfg = load_config(str(ROOT / "experiments/paper/moon_cifar10_cnn.yaml"),
                       ["algorithm=moon", "rounds=2", *SETTINGS[name][1],
                        f"dataset=imagefolder:{os.environ['CIFAR10_JPEG_ZIP']}"])

@@ -38,20 +38,20 @@ from jax.extend import core as jex_core
 # One client's training step below this many GFLOP: clients side by side; at or above: one at a
 # time (see the module docstring).
 # - cpu: fitted by tools/fit_layout.py to the CPU layout table in BENCHMARKS.md ("Which client
-#   layout"), measured on an Intel Xeon (AVX-512) under the small CNNs' no-YNNPACK switch: MOON's
-#   CNN without projection head (0.196 GFLOP at batch 50) no faster apart than side by side
-#   (0.92-1.00x of the best either way); with its projection head (0.205) fastest one at a time
-#   (1.25-1.36x at 5-50 clients), as in MOON's Table 1 setting on two CPU classes (0.74-0.83x
-#   of side by side's time); pfl's CNN (5.05), ResNet-10 at width 16 (4.85) and ResNet-18 (167)
-#   fastest one at a time (an earlier table). The geometric mean of 0.196 and 0.205 is 0.200:
-#   on a CPU nearly every client step now runs one at a time, side by side only below it.
+#   layout"), measured on an Intel Xeon (AVX-512) once the oneDNN convolutions and the pool
+#   kernel took all the clients side by side in one call each: MOON's CNN without and with its
+#   projection head (0.196 and 0.205 GFLOP at batch 50) fastest side by side (1.04-1.25x at
+#   5-50 clients with 50 local steps), as in MOON's Table 1 setting (0.81-0.94x of one at a
+#   time's round); pfl's CNN (5.05) and ResNet-10 at width 16 (4.85) fastest one at a time
+#   (1.14-1.73x), ResNet-18 (167) too (an earlier table). The geometric mean of 0.205 and 4.85
+#   is 1.0; no model measured lies between them.
 # - gpu: fitted by tools/fit_layout.py to the GPU layout table in BENCHMARKS.md ("Clients side
 #   by side on a GPU"): MOON's CNN (0.196 GFLOP) and ResNet-10 at width 16 (4.85) fastest side
 #   by side at 10-50 clients; ResNet-18 (167) fastest one at a time (its per-client weights make
 #   every convolution a grouped one). The geometric mean of 4.85 and 167 is 28.4. Between 4.85
 #   and 167 GFLOP (pfl's CNN, 5.05, is there) the table has no model.
 # - tpu: not measured; side by side.
-SIDE_BY_SIDE_BELOW_GFLOP = {"cpu": 0.2, "gpu": 28.4, "tpu": math.inf}
+SIDE_BY_SIDE_BELOW_GFLOP = {"cpu": 1.0, "gpu": 28.4, "tpu": math.inf}
 
 # Forward + backward of a training step: the backward costs about twice the forward.
 TRAIN_STEP_FACTOR = 3

@@ -256,8 +256,9 @@ def _call(target: str, out_shape, *operands, strides, padding):
     # Under vmap the handlers take every client in one call, looping over them on slices of
     # the stacked buffers (csrc/onednn_conv.cc); an unbatched operand comes with axes of 1.
     return call(target, jax.ShapeDtypeStruct(out_shape, operands[0].dtype), *operands,
-                vmap_method="expand_dims", stride_h=np.int64(sh), stride_w=np.int64(sw), pad_top=np.int64(pt),
-                pad_bottom=np.int64(pb), pad_left=np.int64(pl), pad_right=np.int64(pr))
+                vmap_method="expand_dims", stride_h=np.int64(sh), stride_w=np.int64(sw),
+                pad_top=np.int64(pt), pad_bottom=np.int64(pb), pad_left=np.int64(pl),
+                pad_right=np.int64(pr))
 
 
 def _varying_axes(x) -> frozenset:
