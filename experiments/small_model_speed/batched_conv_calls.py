@@ -10,22 +10,13 @@ rounds after compiling.
 """
 
 import json
-import os
 import sys
-import time
-from pathlib import Path
-
-import jax
 
 from fedjax_rcl.nn import onednn
 
-ROOT = Path(__file__).resolve().parents[2]
-
 
 def main(setting: str, algorithm: str, overrides: list[str]) -> None:
-    from fedjax_rcl.config import load_config
-    from fedjax_rcl.experiment import build
-    from fedjax_rcl.training import compile_program
+    from layout_moon_setting import time_rounds  # this folder's script
 
     if setting == "sequential":  # the convolutions' calls as before: one per client
         call = onednn.call
@@ -36,17 +27,7 @@ def main(setting: str, algorithm: str, overrides: list[str]) -> None:
             return call(target, *args, vmap_method=vmap_method, **kwargs)
 
         onednn.call = sequential
-    cfg = load_config(str(ROOT / "experiments/paper/moon_cifar10_cnn.yaml"),
-                      [f"algorithm={algorithm}", "local_epochs=1", "rounds=3",
-                       f"dataset=imagefolder:{os.environ['CIFAR10_JPEG_ZIP']}", *overrides])
-    exp = build(cfg)
-    advance = compile_program(exp).advance
-    state, times = exp.state, []
-    for _ in range(2):
-        t = time.perf_counter()
-        state, _ = advance(state, 1)
-        jax.block_until_ready(state)
-        times.append(time.perf_counter() - t)
+    exp, _, times = time_rounds(algorithm, overrides)
     print(json.dumps({"setting": setting, "algorithm": algorithm, "overrides": overrides,
                       "layout": exp.layout, "round_s": times}), flush=True)
 

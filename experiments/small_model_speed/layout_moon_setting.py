@@ -22,12 +22,13 @@ from fedjax_rcl.training import compile_program
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def main() -> None:
-    in_parallel, algorithm = sys.argv[1], sys.argv[2]
+def time_rounds(algorithm: str, overrides: list[str]):
+    """MOON's setting with ``algorithm``, one local epoch, ``overrides`` on top: the built
+    experiment, the seconds to compile its round, and the seconds of two rounds after that
+    (also what `pool_kernel.py` and `batched_conv_calls.py` time)."""
     cfg = load_config(str(ROOT / "experiments/paper/moon_cifar10_cnn.yaml"),
                       [f"algorithm={algorithm}", "local_epochs=1", "rounds=3",
-                       f"clients_in_parallel={in_parallel}",
-                       f"dataset=imagefolder:{os.environ['CIFAR10_JPEG_ZIP']}"])
+                       f"dataset=imagefolder:{os.environ['CIFAR10_JPEG_ZIP']}", *overrides])
     exp = build(cfg)
     t = time.perf_counter()
     advance = compile_program(exp).advance
@@ -38,6 +39,12 @@ def main() -> None:
         state, _ = advance(state, 1)
         jax.block_until_ready(state)
         times.append(time.perf_counter() - t)
+    return exp, compile_s, times
+
+
+def main() -> None:
+    in_parallel, algorithm = sys.argv[1], sys.argv[2]
+    exp, compile_s, times = time_rounds(algorithm, [f"clients_in_parallel={in_parallel}"])
     print(json.dumps({"algorithm": algorithm, "clients_in_parallel": int(in_parallel),
                       "layout": exp.layout, "compile_s": compile_s, "round_s": times}))
 

@@ -15,10 +15,8 @@ the reshape-and-max, which XLA fuses), chosen by replacing `pool.resolve_impl` i
 """
 
 import json
-import os
 import sys
 import time
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -26,7 +24,6 @@ import numpy as np
 
 from fedjax_rcl.nn import pool
 
-ROOT = Path(__file__).resolve().parents[2]
 SHAPES = [(50, 28, 28, 6), (50, 10, 10, 16), (64, 28, 28, 6), (64, 10, 10, 16),
           (10, 32, 32, 32), (10, 16, 16, 64), (50, 28, 28, 64)]
 
@@ -66,25 +63,12 @@ def alone() -> None:
 
 
 def in_round(impl: str, algorithm: str, overrides: list[str]) -> None:
-    from fedjax_rcl.config import load_config
-    from fedjax_rcl.experiment import build
-    from fedjax_rcl.training import compile_program
+    from layout_moon_setting import time_rounds  # this folder's script
 
     pool.resolve_impl = lambda *_: impl  # every pool of this process's programs
-    cfg = load_config(str(ROOT / "experiments/paper/moon_cifar10_cnn.yaml"),
-                      [f"algorithm={algorithm}", "local_epochs=1", "rounds=3",
-                       f"dataset=imagefolder:{os.environ['CIFAR10_JPEG_ZIP']}", *overrides])
-    exp = build(cfg)
-    advance = compile_program(exp).advance
-    state, times = exp.state, []
-    for _ in range(2):
-        t = time.perf_counter()
-        state, _ = advance(state, 1)
-        jax.block_until_ready(state)
-        times.append(time.perf_counter() - t)
+    exp, _, times = time_rounds(algorithm, overrides)
     print(json.dumps({"impl": impl, "algorithm": algorithm, "overrides": overrides,
-                      "layout": exp.layout,
-                      "round_s": times}), flush=True)
+                      "layout": exp.layout, "round_s": times}), flush=True)
 
 
 if __name__ == "__main__":
