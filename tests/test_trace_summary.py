@@ -58,6 +58,9 @@ ENTRY %main.9 (x: f32[8,16,16,4], w: f32[3,3,4,8], y: f32[8,64], z: f32[64,10]) 
   %mp.1 = f32[8,8,8,8] custom-call(%x), custom_call_target="fedjax_bias_relu_max_pool_forward"
   %o1 = f32[8,16,16,8] custom-call(%x, %w), custom_call_target="fedjax_onednn_conv_forward"
   %o2 = f32[3,3,4,8] custom-call(%x, %o1), custom_call_target="fedjax_onednn_conv_backward_weights"
+  %xb = f32[5,8,16,16,4]{4,3,2,1,0} parameter(4)
+  %wb = f32[5,3,3,4,8]{4,3,2,1,0} parameter(5)
+  %o3 = f32[5,8,16,16,8] custom-call(%xb, %wb), custom_call_target="fedjax_onednn_conv_forward"
   %rng = u32[4]{0} rng-bit-generator(%w), algorithm=rng_default
   %while.1 = (s32[], f32[64]{0}) while(%x), condition=%cond, body=%body
   ROOT %dot.9 = f32[8,10]{1,0} dot(%y, %z), lhs_contracting_dims={1}, rhs_contracting_dims={0}
@@ -89,6 +92,7 @@ def test_each_operation_has_its_flops_and_bytes_from_the_hlo():
     assert (costs["conv_fusion"]["flops"], costs["conv_fusion"]["bytes"]) == (conv, conv_bytes)
     # oneDNN's forward and weight-gradient convolutions: the same multiply-adds.
     assert costs["o1"]["flops"] == costs["o2"]["flops"] == conv
+    assert costs["o3"]["flops"] == 5 * conv  # five clients in one call (vmap)
     assert costs["o2"]["bytes"] == conv_bytes
     assert (costs["dot.9"]["flops"], costs["dot.9"]["bytes"]) == (2 * 8 * 10 * 64,
                                                          4 * (8 * 10 + 8 * 64 + 64 * 10))

@@ -261,8 +261,10 @@ def hlo_costs(hlo_text: str) -> dict[str, dict]:
             where = _ONEDNN_CONV.get(t.group(1) if t else "")
             if where:
                 y, w = ((res[0][1] if i == "result" else ins[i][0][1]) for i in where)
+                # 2 x outputs x (kh kw cin); under vmap both carry the clients' leading axes,
+                # and the kernel's (1 where shared) are not multiply-adds of an output
                 return 2 * int(np.prod(y, dtype=np.int64)) * int(
-                    np.prod(w, dtype=np.int64)) // max(w[-1], 1)
+                    np.prod(w[-4:-1], dtype=np.int64))
         return 0
 
     own = {name: flops(op, result, operands, attrs)
