@@ -70,21 +70,34 @@ ffi::Error MakeGeometry(const ffi::Buffer<ffi::F32>& y, const ffi::Buffer<ffi::F
   return ffi::Error::Success();
 }
 
-// The index tables of a row: wide[i] is the output position (j, c) that input column position
-// i (< used) pools into; narrow[bb * out_row + q] the input position of window column bb of
-// output position q.
-void Tables(const Geometry& g, std::vector<int32_t>* wide, std::vector<int32_t>* narrow) {
-  wide->resize(g.used());
-  narrow->resize(g.k * g.out_row());
+// The index table of an input row: wide[i] is the output position (j, c) that input column
+// position i (< used) pools into.
+std::vector<int32_t> WideTable(const Geometry& g) {
+  std::vector<int32_t> wide(g.used());
   for (int64_t i = 0; i < g.used(); ++i) {
-    (*wide)[i] = static_cast<int32_t>((i / g.c) / g.k * g.c + i % g.c);
+    wide[i] = static_cast<int32_t>((i / g.c) / g.k * g.c + i % g.c);
   }
+  return wide;
+}
+
+// The index table of an output row: narrow[bb * out_row + q] is the input position of window
+// column bb of output position q.
+std::vector<int32_t> NarrowTable(const Geometry& g) {
+  std::vector<int32_t> narrow(g.k * g.out_row());
   for (int64_t bb = 0; bb < g.k; ++bb) {
     for (int64_t q = 0; q < g.out_row(); ++q) {
-      (*narrow)[bb * g.out_row() + q] =
+      narrow[bb * g.out_row() + q] =
           static_cast<int32_t>(((q / g.c) * g.k + bb) * g.c + q % g.c);
     }
   }
+  return narrow;
+}
+
+// A sample's bias tiled over a row of len positions (channels fastest): the bias of the
+// client whose batch holds sample n (per_bias consecutive samples share one).
+void TileBias(const Geometry& g, const float* bp, int64_t n, int64_t len, float* out) {
+  const float* bc = bp + (n / g.per_bias) * g.c;
+  for (int64_t i = 0; i < len; ++i) out[i] = bc[i % g.c];
 }
 
 FEDJAX_CLONES
@@ -111,8 +124,7 @@ ffi::Error ForwardImpl(ffi::Buffer<ffi::F32> y, ffi::Buffer<ffi::F32> b,
                        ffi::ResultBuffer<ffi::F32> p, int64_t window) {
   Geometry g;
   if (auto e = MakeGeometry(y, b, window, &g); e.failure()) return e;
-  std::vector<int32_t> wide, narrow;
-  Tables(g, &wide, &narrow);
+  const std::vector<int32_t> narrow = NarrowTable(g);
   const float* yp = y.typed_data();
   const float* bp = b.typed_data();
   float* pp = p->typed_data();
@@ -124,7 +136,7 @@ ffi::Error ForwardImpl(ffi::Buffer<ffi::F32> y, ffi::Buffer<ffi::F32> b,
     for (int64_t n = 0; n < g.n; ++n) {
       if (n / g.per_bias != client) {  // this sample's bias, tiled over an output row
         client = n / g.per_bias;
-        for (int64_t q = 0; q < g.out_row(); ++q) bias_out[q] = bp[client * g.c + q % g.c];
+        TileBias(g, bp, n, g.out_row(), bias_out.data());
       }
       for (int64_t i = 0; i < g.ho; ++i) {
         const float* rows = yp + ((n * g.h) + i * g.k) * g.row();
@@ -191,8 +203,7 @@ ffi::Error BackwardImpl(ffi::Buffer<ffi::F32> y, ffi::Buffer<ffi::F32> b,
                         int64_t window) {
   Geometry g;
   if (auto e = MakeGeometry(y, b, window, &g); e.failure()) return e;
-  std::vector<int32_t> wide, narrow;
-  Tables(g, &wide, &narrow);
+  const std::vector<int32_t> wide = WideTable(g), narrow = NarrowTable(g);
   const float* bp = b.typed_data();
   const float* yp = y.typed_data();
   const float* pp = p.typed_data();
@@ -209,7 +220,7 @@ ffi::Error BackwardImpl(ffi::Buffer<ffi::F32> y, ffi::Buffer<ffi::F32> b,
     for (int64_t n = 0; n < g.n; ++n) {
       if (n / g.per_bias != client) {  // this sample's bias, tiled over an input row
         client = n / g.per_bias;
-        for (int64_t i = 0; i < g.used(); ++i) bias_in[i] = bp[client * g.c + i % g.c];
+        TileBias(g, bp, n, g.used(), bias_in.data());
       }
       float* dyn = dyp + n * g.h * g.row();
       std::fill(dyn, dyn + g.h * g.row(), 0.0f);  // trailing rows and columns stay 0
