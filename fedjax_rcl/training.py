@@ -50,7 +50,7 @@ from fedjax_rcl.loop import (
 )
 from fedjax_rcl.metrics import RECENT_WINDOWS, ema, recent_mean
 from fedjax_rcl.models.base import PRECISIONS
-from fedjax_rcl.nn import pool
+from fedjax_rcl.nn import narrow_conv, pool
 from fedjax_rcl.provenance import recorded_layout
 from fedjax_rcl.rundir import RunDir, atomic_write_lines
 from fedjax_rcl.validation import ConfigError
@@ -275,10 +275,13 @@ def plot_run(run_dir: Path, cfg: CoreConfig, title_suffix: str = "") -> None:
 def layout_record(exp: Experiment) -> dict:
     """The clients' layout a process trains in, as ``environment.jsonl`` records it, with the
     implementation its models' ``nn.pool.bias_relu_max_pool`` calls run in local training
-    (``"kernel"`` or ``"xla"``: they agree to rounding in the bias's gradient, not bitwise)."""
+    (``"kernel"`` or ``"xla"``: they agree to rounding in the bias's gradient, not bitwise) and
+    whether its ``conv_impl=cpu`` convolutions run ``nn.narrow_conv``'s kernel where it applies
+    (``"kernel"`` or ``"off"``: it and oneDNN's agree to rounding)."""
     dtype = jax.ShapeDtypeStruct((1,), PRECISIONS[exp.cfg.precision])
     return {"clients_in_parallel": exp.in_parallel, "describe": exp.layout,
-            "bias_relu_max_pool": pool.resolve_impl("auto", dtype, dtype)}
+            "bias_relu_max_pool": pool.resolve_impl("auto", dtype, dtype),
+            "narrow_conv": narrow_conv.resolve(dtype.dtype)}
 
 
 def cut_back(run_dir: Path, cfg: CoreConfig, done: int, *, command: str | None,

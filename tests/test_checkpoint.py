@@ -104,6 +104,8 @@ def test_a_resumed_run_keeps_the_layout_it_began_with(tiny_run, tmp_path, monkey
     # Each process also records what its pools ran (the CPU kernel where it builds).
     pools = "kernel" if onednn.available() else "xla"
     assert [r["layout"]["bias_relu_max_pool"] for r in records] == [pools, pools]
+    narrow = "kernel" if onednn.available() else "off"  # and its convolutions' narrow kernel
+    assert [r["layout"]["narrow_conv"] for r in records] == [narrow, narrow]
     for r in records:
         del r["layout"]
     (run / "environment.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))

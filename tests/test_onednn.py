@@ -169,7 +169,8 @@ def test_strided_1x1_gradients_stay_right_when_repeated(cin):
 
 @needs_onednn
 def test_cpu_impl_compiles_to_the_ffi_calls():
-    x, w = _data()
+    # 16 channels each way: every pass on oneDNN (nn.narrow_conv takes at most 8 outputs)
+    x, w = _data(shape=(4, 10, 10, 16), kernel=(3, 3, 16, 16))
     loss = lambda x, w: jnp.sum(conv.cpu_conv_general_dilated(x, w, (1, 1), PAD) ** 2)
     hlo = jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).lower(x, w).as_text()
     for target in onednn.TARGETS:
@@ -276,12 +277,13 @@ def test_failed_build_is_reported_and_leaves_no_library(monkeypatch, tmp_path):
     monkeypatch.setattr(onednn, "SOURCE", broken)
     # The other sources trivial ones of the same names: the build fails on the broken one
     # without compiling the real kernels twice (with and without OpenMP).
-    for name, attr in (("group_norm.cc", "GROUP_NORM_SOURCE"), ("max_pool.cc", "MAX_POOL_SOURCE")):
+    for name, attr in (("group_norm.cc", "GROUP_NORM_SOURCE"), ("max_pool.cc", "MAX_POOL_SOURCE"),
+                       ("narrow_conv.cc", "NARROW_CONV_SOURCE")):
         (tmp_path / name).write_text(f"int fedjax_{attr.lower()}_stand_in;\n")
         monkeypatch.setattr(onednn, attr, tmp_path / name)
     monkeypatch.setenv("FEDJAX_RCL_CACHE", str(tmp_path / "cache"))
-    with pytest.raises(onednn.OneDnnUnavailable,
-                       match="building broken.cc, group_norm.cc, max_pool.cc failed"):
+    with pytest.raises(onednn.OneDnnUnavailable, match="building broken.cc, group_norm.cc, "
+                       "max_pool.cc, narrow_conv.cc failed"):
         onednn._build(onednn._build_inputs())
     assert not list(Path(tmp_path / "cache" / "ext").glob("*.so"))
 

@@ -61,6 +61,8 @@ ENTRY %main.9 (x: f32[8,16,16,4], w: f32[3,3,4,8], y: f32[8,64], z: f32[64,10]) 
   %xb = f32[5,8,16,16,4]{4,3,2,1,0} parameter(4)
   %wb = f32[5,3,3,4,8]{4,3,2,1,0} parameter(5)
   %o3 = f32[5,8,16,16,8] custom-call(%xb, %wb), custom_call_target="fedjax_onednn_conv_forward"
+  %n1 = f32[8,16,16,8] custom-call(%x, %w), custom_call_target="fedjax_narrow_conv_forward"
+  %n2 = f32[8,16,16,4] custom-call(%o1, %w), custom_call_target="fedjax_narrow_conv_backward_data"
   %rng = u32[4]{0} rng-bit-generator(%w), algorithm=rng_default
   %while.1 = (s32[], f32[64]{0}) while(%x), condition=%cond, body=%body
   ROOT %dot.9 = f32[8,10]{1,0} dot(%y, %z), lhs_contracting_dims={1}, rhs_contracting_dims={0}
@@ -81,6 +83,7 @@ def test_operations_are_categorised_by_what_the_hlo_says_they_compute():
     assert cats["loop_add_fusion"] == "elementwise"
     assert cats["copy.4"] == "copy"
     assert cats["o1"] == cats["o2"] == "convolution"
+    assert cats["n1"] == cats["n2"] == "convolution"  # the positions-in-lanes kernel
     assert cats["rng"] == "other"
     assert cats["while.1"] == cats["tuple"] == "control"
 
@@ -93,6 +96,9 @@ def test_each_operation_has_its_flops_and_bytes_from_the_hlo():
     # oneDNN's forward and weight-gradient convolutions: the same multiply-adds.
     assert costs["o1"]["flops"] == costs["o2"]["flops"] == conv
     assert costs["o3"]["flops"] == 5 * conv  # five clients in one call (vmap)
+    # nn.narrow_conv's forward and input gradient: the same multiply-adds, named so
+    assert costs["n1"]["flops"] == costs["n2"]["flops"] == conv
+    assert costs["n2"]["what"].startswith("narrow_conv_backward_data(f32[8,16,16,8], ")
     assert costs["o2"]["bytes"] == conv_bytes
     assert (costs["dot.9"]["flops"], costs["dot.9"]["bytes"]) == (2 * 8 * 10 * 64,
                                                          4 * (8 * 10 + 8 * 64 + 64 * 10))

@@ -74,11 +74,14 @@ _SHAPE = re.compile(r"\b(pred|bf16|c64|c128|f8\w*|[fsu]\d+)\[([\d,]*)\]")
 _HEADER_PARAM = re.compile(r"([\w.\-]+):\s+((?:\([^)]*\))|(?:[\w]+\[[\d,]*\]))")
 _BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4,
           "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16}
-# oneDNN's convolutions (fedjax_rcl.nn.onednn; NHWC activations, HWIO kernels): where the
-# output-side tensor (y, or dy) and the kernel are, as an operand index or "result".
+# The extension's convolutions (fedjax_rcl.nn.onednn, fedjax_rcl.nn.narrow_conv; NHWC
+# activations, HWIO kernels): where the output-side tensor (y, or dy) and the kernel are, as an
+# operand index or "result".
 _ONEDNN_CONV = {"fedjax_onednn_conv_forward": ("result", 1),
                 "fedjax_onednn_conv_backward_data": (0, 1),
-                "fedjax_onednn_conv_backward_weights": (1, "result")}
+                "fedjax_onednn_conv_backward_weights": (1, "result"),
+                "fedjax_narrow_conv_forward": ("result", 1),
+                "fedjax_narrow_conv_backward_data": (0, 1)}
 
 
 def _by_name(text: str) -> str:
@@ -291,7 +294,8 @@ def hlo_costs(hlo_text: str) -> dict[str, dict]:
         f = sum(inner(c) for c in _CALLS.findall(attrs)) if op == "fusion" else own[name]
         ins = [s for o in operand_shapes(operands) for s in o]
         target = _TARGET.search(attrs) if op == "custom-call" else None
-        what = target.group(1).removeprefix("fedjax_onednn_") if target else op
+        what = (target.group(1).removeprefix("fedjax_onednn_").removeprefix("fedjax_")
+                if target else op)
         out[name] = {"flops": f, "bytes": _nbytes(_shapes(result)) + _nbytes(ins),
                      "what": f"{what}({', '.join(_shape_text(s) for s in ins)}) -> "
                              + ", ".join(_shape_text(s) for s in _shapes(result))}

@@ -56,7 +56,8 @@ SIDE_BY_SIDE_BELOW_GFLOP = {"cpu": 1.0, "gpu": 28.4, "tpu": math.inf}
 # Forward + backward of a training step: the backward costs about twice the forward.
 TRAIN_STEP_FACTOR = 3
 
-_ONEDNN_FORWARD = "fedjax_onednn_conv_forward"
+# The extension's forward convolutions (fedjax_rcl.nn.onednn, fedjax_rcl.nn.narrow_conv).
+_FFI_FORWARD = ("fedjax_onednn_conv_forward", "fedjax_narrow_conv_forward")
 
 
 def _subjaxprs(value):
@@ -73,9 +74,10 @@ def _subjaxprs(value):
 def jaxpr_flops(jaxpr) -> float:
     """Multiply-adds x 2 of the convolutions and matrix products in ``jaxpr`` (a ``Jaxpr`` or
     ``ClosedJaxpr``), nested programs included (a ``scan`` body counted ``length`` times; of a
-    ``cond``'s branches the costliest). Convolutions run through the project's oneDNN kernels
-    count like ``conv_general_dilated``. Elementwise work is not counted: it is small beside
-    these in the models here, and the same in either layout."""
+    ``cond``'s branches the costliest). Convolutions run through the project's CPU kernels
+    (oneDNN's and ``nn.narrow_conv``'s) count like ``conv_general_dilated``. Elementwise work
+    is not counted: it is small beside these in the models here, and the same in either
+    layout."""
     jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
     total = 0.0
     for eqn in jaxpr.eqns:
@@ -89,7 +91,7 @@ def jaxpr_flops(jaxpr) -> float:
             lhs = eqn.invars[0].aval
             k = math.prod(lhs.shape[d] for d in lhs_contract)
             total += 2.0 * math.prod(eqn.outvars[0].aval.shape) * k
-        elif name == "ffi_call" and eqn.params.get("target_name") == _ONEDNN_FORWARD:
+        elif name == "ffi_call" and eqn.params.get("target_name") in _FFI_FORWARD:
             out, w = eqn.outvars[0].aval, eqn.invars[1].aval  # NHWC, HWIO
             total += 2.0 * math.prod(out.shape) * math.prod(w.shape[:3])
         elif name == "cond":

@@ -11,7 +11,9 @@ times slower per client (BENCHMARKS.md). On CPU (``"cpu"``, the default there):
 - ``onednn_conv_general_dilated``: oneDNN's direct kernels (the library behind PyTorch's CPU
   convolutions) for the forward pass and both gradients, called through XLA's FFI
   (``fedjax_rcl.nn.onednn``), the fastest of the three on every CPU and model measured
-  (BENCHMARKS.md).
+  (BENCHMARKS.md); as the CPU's choice (``onednn_narrow_conv_general_dilated``) with the
+  forward passes and input gradients that have few output channels and narrow rows on a
+  kernel that puts image positions in the vector lanes (``fedjax_rcl.nn.narrow_conv``).
 - Without the oneDNN extension, exact matmul formulations that XLA runs well: ``k*k`` shifted
   strided slices concatenated along channels ("patches") times the kernel, or, for layers with
   few input channels, whole image rows times a banded weight matrix (``rows``,
@@ -45,7 +47,7 @@ import numpy as np
 from jax import lax
 
 from fedjax_rcl import registry
-from fedjax_rcl.nn import onednn
+from fedjax_rcl.nn import narrow_conv, onednn
 
 CONV_IMPLS = ("auto", "cpu", "onednn", "patches", "rows", "native")
 
@@ -276,12 +278,17 @@ def onednn_conv_general_dilated(
     batch_group_count: int = 1,
     precision=None,
     preferred_element_type=None,
+    *,
+    narrow: bool = False,
 ) -> jax.Array:
     """The same convolution run by oneDNN's direct kernels (CPU; ``fedjax_rcl.nn.onednn``).
 
     Forward, input gradient and kernel gradient are each one oneDNN primitive called through
     XLA's FFI: no patches, no col2im. The function is differentiable (``custom_vjp``); under
-    ``vmap`` each call runs once per mapped element. Same arguments and support as
+    ``vmap`` each call takes all the mapped elements at once. ``narrow``: the forward pass and
+    the input gradient run the positions-in-lanes kernel instead where it applies
+    (``fedjax_rcl.nn.narrow_conv``: few output channels, narrow rows; float32), as
+    ``onednn_narrow_conv_general_dilated`` does. Same arguments and support as
     ``patch_conv_general_dilated``; the operands are float32, or bfloat16 / float16 where the
     CPU has the instructions (``onednn.supports``), the result of their type (oneDNN
     accumulates in float32); ``precision`` and ``preferred_element_type`` must be left at
@@ -302,25 +309,50 @@ def onednn_conv_general_dilated(
         # of its 8-channel block (seen with 4 channels: wrong gradients, heap errors).
         lhs = lhs[:, ::strides[0], ::strides[1], :]
         strides = (1, 1)
-    return _onednn_conv(lhs, rhs, strides, padding)
+    return _onednn_conv(lhs, rhs, strides, padding, narrow)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def _onednn_conv(x, w, strides, padding):
+def _forward(x, w, strides, padding, narrow: bool):
+    if narrow and narrow_conv.applies(w.shape[-1], _out_width(x, w, strides, padding), strides,
+                                      padding, x.dtype):
+        return narrow_conv.conv(x, w, padding)
     return onednn.conv_forward(x, w, strides, padding)
 
 
-def _onednn_conv_fwd(x, w, strides, padding):
-    return onednn.conv_forward(x, w, strides, padding), (x, w)
+def _out_width(x, w, strides, padding) -> int:
+    (pl, pr) = padding[1]
+    return (x.shape[2] + pl + pr - w.shape[1]) // strides[1] + 1
 
 
-def _onednn_conv_bwd(strides, padding, residuals, g):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def _onednn_conv(x, w, strides, padding, narrow):
+    return _forward(x, w, strides, padding, narrow)
+
+
+def _onednn_conv_fwd(x, w, strides, padding, narrow):
+    return _forward(x, w, strides, padding, narrow), (x, w)
+
+
+def _onednn_conv_bwd(strides, padding, narrow, residuals, g):
     x, w = residuals
-    return (onednn.conv_backward_data(g, w, x.shape, strides, padding),
-            onednn.conv_backward_weights(x, g, w.shape, strides, padding))
+    kh, kw, cin, _ = w.shape
+    if narrow and narrow_conv.applies(cin, x.shape[2], strides, _flipped_pads(kh, kw, padding),
+                                      x.dtype):
+        dx = narrow_conv.input_grad(g, w, x.shape, padding)
+    else:
+        dx = onednn.conv_backward_data(g, w, x.shape, strides, padding)
+    return dx, onednn.conv_backward_weights(x, g, w.shape, strides, padding)
 
 
 _onednn_conv.defvjp(_onednn_conv_fwd, _onednn_conv_bwd)
+
+
+def onednn_narrow_conv_general_dilated(*args, **kwargs) -> jax.Array:
+    """The CPU's convolution with the oneDNN extension (``conv_impl="cpu"``): oneDNN's kernels,
+    except the forward passes and input gradients with few output channels and narrow rows,
+    which run ``fedjax_rcl.nn.narrow_conv``'s kernel (``narrow_conv.applies``: where it was
+    measured faster). ``onednn_conv_general_dilated`` with ``narrow=True``."""
+    return onednn_conv_general_dilated(*args, narrow=True, **kwargs)
 
 
 def _column_selector(kw: int, wp: int, wo: int, sw: int) -> np.ndarray:
@@ -398,10 +430,10 @@ def prefers_rows(input_shape: Sequence[int], kernel_shape: Sequence[int],
 
 
 def cpu_conv_general_dilated(lhs, rhs, window_strides, padding, *args, **kwargs) -> jax.Array:
-    """The fastest convolution on CPU: oneDNN's direct kernels when the extension is available
-    (``onednn.available()``) for the operands' type (``onednn.supports``: float32, and
-    bfloat16 / float16 on CPUs with those instructions), else per layer the row
-    (``prefers_rows``) or patch convolution (``choose``)."""
+    """The fastest convolution on CPU: oneDNN's direct kernels (with ``narrow_conv``'s where it
+    applies) when the extension is available (``onednn.available()``) for the operands' type
+    (``onednn.supports``: float32, and bfloat16 / float16 on CPUs with those instructions),
+    else per layer the row (``prefers_rows``) or patch convolution (``choose``)."""
     impl = _per_shape("cpu", lhs, rhs, window_strides, padding)
     return impl(lhs, rhs, window_strides, padding, *args, **kwargs)
 
@@ -460,7 +492,9 @@ def _per_shape(name: str, lhs, rhs, window_strides, padding,
     The per-shape rules live here and only here: ``native`` runs XLA's convolution for every
     layer; otherwise grouped and depthwise convolutions run ``grouped_conv_general_dilated``
     (the formulations above are dense only); ``cpu`` takes oneDNN for the operand types it
-    supports, else rows for narrow inputs (``prefers_rows``), else patches.
+    supports (its forward pass and input gradient on ``narrow_conv``'s kernel where
+    ``narrow_conv.applies`` to them: the one rule for that kernel), else rows for narrow inputs
+    (``prefers_rows``), else patches.
     """
     if name == "native":
         return lax.conv_general_dilated
@@ -469,7 +503,7 @@ def _per_shape(name: str, lhs, rhs, window_strides, padding,
     if name != "cpu":
         return _CONV_FNS[name]
     if lhs.dtype == rhs.dtype and onednn_usable() and onednn.supports(lhs.dtype):
-        return onednn_conv_general_dilated
+        return onednn_narrow_conv_general_dilated
     if prefers_rows(lhs.shape, rhs.shape, window_strides, padding):
         return row_conv_general_dilated
     return patch_conv_general_dilated
@@ -677,6 +711,7 @@ __all__ = [
     "grouped_conv_general_dilated",
     "implementation",
     "onednn_conv_general_dilated",
+    "onednn_narrow_conv_general_dilated",
     "patch_conv_general_dilated",
     "prefers_rows",
     "resolve_conv_impl",

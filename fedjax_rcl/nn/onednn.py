@@ -40,6 +40,7 @@ import numpy as np
 SOURCE = Path(__file__).parent / "csrc" / "onednn_conv.cc"
 GROUP_NORM_SOURCE = Path(__file__).parent / "csrc" / "group_norm.cc"
 MAX_POOL_SOURCE = Path(__file__).parent / "csrc" / "max_pool.cc"
+NARROW_CONV_SOURCE = Path(__file__).parent / "csrc" / "narrow_conv.cc"
 # FFI target name -> exported handler symbol: the convolutions, then the GroupNorm kernels.
 TARGETS = {
     "fedjax_onednn_conv_forward": "FedjaxOnednnConvForward",
@@ -53,6 +54,10 @@ GROUP_NORM_TARGETS = {
 MAX_POOL_TARGETS = {
     "fedjax_bias_relu_max_pool_forward": "FedjaxBiasReluMaxPoolForward",
     "fedjax_bias_relu_max_pool_backward": "FedjaxBiasReluMaxPoolBackward",
+}
+NARROW_CONV_TARGETS = {
+    "fedjax_narrow_conv_forward": "FedjaxNarrowConvForward",
+    "fedjax_narrow_conv_backward_data": "FedjaxNarrowConvBackwardData",
 }
 _HEADERS_DIST, _LIBRARY_DIST = "onednn-devel-cpu-gomp", "onednn-cpu-gomp"
 
@@ -163,7 +168,7 @@ def _compile(inputs: dict, out: Path) -> None:
 
 
 def _sources() -> tuple[Path, ...]:
-    return (SOURCE, GROUP_NORM_SOURCE, MAX_POOL_SOURCE)
+    return (SOURCE, GROUP_NORM_SOURCE, MAX_POOL_SOURCE, NARROW_CONV_SOURCE)
 
 
 def _libgomp_loaded() -> bool:
@@ -194,7 +199,8 @@ def _load() -> ctypes.CDLL | OneDnnUnavailable:
     library, or the reason it is unavailable."""
     try:
         lib = ctypes.CDLL(str(_build(_build_inputs())))
-        for target, symbol in {**TARGETS, **GROUP_NORM_TARGETS, **MAX_POOL_TARGETS}.items():
+        for target, symbol in {**TARGETS, **GROUP_NORM_TARGETS, **MAX_POOL_TARGETS,
+                               **NARROW_CONV_TARGETS}.items():
             jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)),
                                         platform="cpu")
         return lib
