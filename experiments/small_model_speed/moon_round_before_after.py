@@ -8,12 +8,16 @@ package runs it now, in one run: fresh processes in rotation, one round timed af
   alone, libgomp's own value, which keeps the model's thread settings out);
 - ``spin``: one client after another, no YNNPACK fusions, OpenMP's spin, and XLA's fusions of
   the convolutions' bias, ReLU and pool (the first ``after``, 2026-11-30);
-- ``after``: the defaults (the bias + ReLU + pool kernel, ``fedjax_rcl.nn.pool.
-  bias_relu_max_pool``; the convolutions and pools taking all the clients in one call; the
-  layout the cost model then picks: side by side since its refit to those).
+- ``batched``: the bias + ReLU + pool kernel (``fedjax_rcl.nn.pool.bias_relu_max_pool``), the
+  convolutions and pools taking all the clients in one call, the layout the cost model then
+  picks (side by side since its refit to those), every convolution on oneDNN (the second
+  ``after``, 2026-11-30; ``nn.narrow_conv.MODE="off"``);
+- ``after``: the defaults (as ``batched``, with ``fedjax_rcl.nn.narrow_conv``'s kernel for the
+  convolutions with few output channels: conv1's forward, conv2's input gradient).
 
 ``before`` and ``spin`` run the pools as XLA's fusions and the convolutions under vmap as one
-FFI call per client (``_kernels_then``, in their processes).
+FFI call per client (``_kernels_then``, in their processes); all but ``after`` run every
+convolution on oneDNN.
 
     CIFAR10_JPEG_ZIP=/path/cifar10-jpeg.zip \\
         python experiments/small_model_speed/moon_round_before_after.py --passes 2 --json out.json
@@ -32,6 +36,7 @@ SETTINGS = {  # name: (environment, config overrides, the package's kernels then
     "before": ({"XLA_FLAGS": "--xla_cpu_experimental_ynn_fusion_type=reduce",
                 "GOMP_SPINCOUNT": "300000"}, ["clients_in_parallel=10"], "then"),
     "spin": ({}, ["clients_in_parallel=1"], "then"),
+    "batched": ({}, [], "batched"),
     "after": ({}, [], "now"),
 }
 
@@ -60,6 +65,10 @@ def child(name: str) -> None:
 
     if SETTINGS[name][2] == "then":
         _kernels_then()
+    if SETTINGS[name][2] in ("then", "batched"):
+        from fedjax_rcl.nn import narrow_conv
+
+        narrow_conv.MODE = "off"  # every convolution on oneDNN, as before that kernel
     cfg = load_config(str(ROOT / "experiments/paper/moon_cifar10_cnn.yaml"),
                       ["algorithm=moon", "rounds=2", *SETTINGS[name][1],
                        f"dataset=imagefolder:{os.environ['CIFAR10_JPEG_ZIP']}"])
@@ -79,13 +88,15 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--passes", type=int, default=2)
     ap.add_argument("--json")
+    ap.add_argument("--settings", nargs="+", choices=sorted(SETTINGS), default=list(SETTINGS))
     ap.add_argument("--child", choices=sorted(SETTINGS))
     args = ap.parse_args()
     if args.child:
         return child(args.child)
     rows = []
     for p in range(args.passes):
-        for name, (env, _, _) in SETTINGS.items():
+        for name in args.settings:
+            env = SETTINGS[name][0]
             run_env = {k: v for k, v in os.environ.items() if k not in CLEAR} | env
             out = subprocess.run([sys.executable, __file__, "--child", name], env=run_env,
                                  capture_output=True, text=True, check=True).stdout
