@@ -117,6 +117,8 @@ def test_the_kernel_runs_where_the_rule_says():
     """MOON's CNN: conv1's forward (6 output channels) and conv2's input gradient (6) on the
     kernel; conv2's forward (16) and conv1's input gradient (rows 32 wide but the images take
     none here) on oneDNN; ``MODE="off"`` none; 33-wide rows and stride 2 none."""
+    if narrow_conv.isa() not in narrow_conv.FAST_ISAS:
+        pytest.skip(f"the rule leaves this CPU's path ({narrow_conv.isa()}) to oneDNN")
     valid = ((0, 0), (0, 0))
 
     def grads(xs, ws, padding=valid, strides=(1, 1)):
@@ -176,3 +178,52 @@ def test_refusals():
         narrow_conv.input_grad(jnp.ones((1, 10, 10, 6)), w, (1, 8, 8, 3), ((3, 3), (0, 0)))
     with pytest.raises(Exception, match="output rows at most 32 positions"):
         jax.block_until_ready(narrow_conv.conv(jnp.ones((1, 8, 40, 3)), w, ((0, 0), (0, 0))))
+
+
+_PATHS_SCRIPT = """
+import json, sys
+import numpy as np
+import jax
+from fedjax_rcl.nn import narrow_conv
+rng = np.random.default_rng(5)
+out = {"isa": narrow_conv.isa()}
+for xs, ws, pad in json.loads(sys.argv[1]):
+    pad = tuple(map(tuple, pad))
+    x, w = rng.normal(size=xs).astype(np.float32), rng.normal(size=ws).astype(np.float32)
+    y = jax.jit(lambda x, w: narrow_conv.conv(x, w, pad))(x, w)
+    dy = rng.normal(size=y.shape).astype(np.float32)
+    dx = jax.jit(lambda dy, w: narrow_conv.input_grad(dy, w, xs, pad))(dy, w)
+    out.setdefault("y", []).append(np.asarray(y).tolist())
+    out.setdefault("dx", []).append(np.asarray(dx).tolist())
+print(json.dumps(out))
+"""
+
+
+def test_every_instruction_set_path_computes_the_convolution():
+    """The AVX-512, AVX2 and baseline paths (16-, 8- and 4-float vectors, their own tiles and
+    column blocks), each forced in a process of its own with ``$FEDJAX_NARROW_CONV_ISA``, where
+    this CPU has it: the forward and input gradient against float64."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    cases = [((2, 32, 32, 3), (5, 5, 3, 6), ((0, 0), (0, 0))),
+             ((2, 9, 17, 5), (3, 3, 5, 7), ((1, 1), (1, 1))),
+             ((1, 10, 7, 16), (3, 3, 16, 2), ((1, 0), (2, 1)))]
+    have = narrow_conv.ISAS.index(narrow_conv.isa())
+    for name in narrow_conv.ISAS[:have + 1]:
+        env = {**os.environ, "FEDJAX_NARROW_CONV_ISA": name, "JAX_PLATFORMS": "cpu"}
+        proc = subprocess.run([sys.executable, "-c", _PATHS_SCRIPT, json.dumps(cases)],
+                              env=env, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        out = json.loads(proc.stdout.splitlines()[-1])
+        assert out["isa"] == name
+        rng = np.random.default_rng(5)
+        for i, (xs, ws, pad) in enumerate(cases):
+            x, w = rng.normal(size=xs).astype(np.float32), rng.normal(size=ws).astype(np.float32)
+            y_ref = _reference_conv(x, w, pad)
+            _close(np.array(out["y"][i]), y_ref, np.prod(ws[:3]))
+            dy = rng.normal(size=y_ref.shape).astype(np.float32)
+            _close(np.array(out["dx"][i]), _reference_input_grad(dy, w, xs, pad),
+                   ws[0] * ws[1] * ws[3])

@@ -7,10 +7,11 @@ channels). ``csrc/narrow_conv.cc`` computes such a stride-1 convolution with 16 
 positions of a row in each vector instead, the product ``[C_out, K] x [K, positions]`` formed
 in registers (each output channel's row accumulators stay there while the taps stream past),
 never as a patch matrix in memory. It is built with the oneDNN convolutions
-(``fedjax_rcl.nn.onednn``) and runs where ``applies`` says: float32, stride 1, at most
-``MAX_CHANNELS`` output channels and ``MAX_WIDTH`` output positions a row (measured faster
-than oneDNN's kernels there: ``experiments/small_model_speed/README.md``, "Positions in the
-lanes: a kernel").
+(``fedjax_rcl.nn.onednn``), with a path per instruction set (``isa``: 16-, 8- or 4-float
+vectors), and runs where ``applies`` says: float32, stride 1, at most ``MAX_CHANNELS`` output
+channels and ``MAX_WIDTH`` output positions a row, on a CPU with AVX2 or AVX-512 (measured
+faster than oneDNN's kernels there: ``experiments/small_model_speed/README.md``, "Positions in
+the lanes: a kernel").
 
 The sums run over (input channel, kernel row, kernel column) in one fixed order, so a result
 does not depend on the thread count or on the clients beside it under ``vmap``; against
@@ -19,6 +20,7 @@ oneDNN's kernels the floats differ at the rounding level (another order of the s
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import jax
@@ -28,7 +30,9 @@ import numpy as np
 from fedjax_rcl.nn import onednn
 
 MAX_CHANNELS = 8  # output channels a tile keeps in registers (csrc: kMaxCout)
-MAX_WIDTH = 32    # output positions a row (two 16-float vectors; csrc: kMaxVectors)
+MAX_WIDTH = 32    # output positions a row (csrc: kMaxWidth)
+ISAS = ("baseline", "avx2", "avx512")  # the kernel's paths (csrc: Isa)
+FAST_ISAS = ("avx2", "avx512")  # those measured faster than oneDNN at MOON's CNN's shapes
 
 # "auto": the kernel wherever ``applies``; "off": never (oneDNN's kernels everywhere). Read
 # when a convolution is traced: a benchmark's switch for timing one against the other in one
@@ -36,24 +40,34 @@ MAX_WIDTH = 32    # output positions a row (two 16-float vectors; csrc: kMaxVect
 MODE = "auto"
 
 
+@functools.cache
+def isa() -> str | None:
+    """The path the kernel runs on this CPU (``ISAS``: its widest vectors, capped by
+    ``$FEDJAX_NARROW_CONV_ISA`` when that names a narrower one), None without the extension."""
+    if not onednn.available():
+        return None
+    return ISAS[onednn.library().FedjaxNarrowConvIsa()]
+
+
 def applies(out_channels: int, out_width: int, strides: Sequence[int],
             padding: Sequence[tuple[int, int]], dtype) -> bool:
     """Whether a convolution (or an input gradient, seen as the convolution it is) with these
     output channels and output row width runs on this kernel: float32, stride 1, padding
     ``>= 0``, at most ``MAX_CHANNELS`` channels and ``MAX_WIDTH`` positions a row, in
-    ``MODE="auto"``, where the extension builds."""
+    ``MODE="auto"``, where the extension builds and runs its AVX2 or AVX-512 path."""
     return (MODE == "auto" and np.dtype(dtype) == np.float32 and tuple(strides) == (1, 1)
             and all(p >= 0 for pair in padding for p in pair)
             and 1 <= out_channels <= MAX_CHANNELS and 1 <= out_width <= MAX_WIDTH
-            and onednn.available())
+            and isa() in FAST_ISAS)
 
 
 def resolve(dtype) -> str:
     """``"kernel"`` where ``conv_impl="cpu"`` convolutions of ``dtype`` run this kernel for the
-    shapes it takes (float32, a CPU backend where the extension builds, ``MODE="auto"``), else
-    ``"off"``: what a run's ``environment.jsonl`` records."""
+    shapes it takes (float32, a CPU backend where the extension builds and runs a path of
+    ``FAST_ISAS``, ``MODE="auto"``), else ``"off"``: what a run's ``environment.jsonl``
+    records."""
     on = (MODE == "auto" and np.dtype(dtype) == np.float32 and jax.default_backend() == "cpu"
-          and onednn.available())
+          and isa() in FAST_ISAS)
     return "kernel" if on else "off"
 
 

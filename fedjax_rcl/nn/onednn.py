@@ -228,6 +228,12 @@ def version() -> str:
     return f"{v // 10000}.{v // 100 % 100}.{v % 100}"
 
 
+def library() -> ctypes.CDLL:
+    """The loaded extension (built on first use): its C functions beside the FFI targets
+    (``FedjaxOnednnVersion``, ``FedjaxNarrowConvIsa``)."""
+    return _library()
+
+
 def _library() -> ctypes.CDLL:
     loaded = _load()
     if isinstance(loaded, OneDnnUnavailable):
