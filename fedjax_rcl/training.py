@@ -27,7 +27,7 @@ from fedjax_rcl.config import (
     degenerate_settings,
     is_grid,
 )
-from fedjax_rcl.data import ImageDataset
+from fedjax_rcl.data import ImageDataset, augment
 from fedjax_rcl.engine.round import ServerState, clients_per_round
 from fedjax_rcl.engine.sharding import initialize_distributed, is_primary, to_host
 from fedjax_rcl.engine.tables import Advance
@@ -277,11 +277,13 @@ def layout_record(exp: Experiment) -> dict:
     implementation its models' ``nn.pool.bias_relu_max_pool`` calls run in local training
     (``"kernel"`` or ``"xla"``: they agree to rounding in the bias's gradient, not bitwise) and
     whether its ``conv_impl=cpu`` convolutions run ``nn.narrow_conv``'s kernel where it applies
-    (``"kernel"`` or ``"off"``: it and oneDNN's agree to rounding)."""
+    (``"kernel"`` or ``"off"``: it and oneDNN's agree to rounding), and what its training
+    augmentation runs on (``data.augment``'s ``"kernel"`` or ``"xla"``: bitwise the same images
+    at XLA's default settings)."""
     dtype = jax.ShapeDtypeStruct((1,), PRECISIONS[exp.cfg.precision])
     return {"clients_in_parallel": exp.in_parallel, "describe": exp.layout,
             "bias_relu_max_pool": pool.resolve_impl("auto", dtype, dtype),
-            "narrow_conv": narrow_conv.resolve(dtype.dtype)}
+            "narrow_conv": narrow_conv.resolve(dtype.dtype), "augment": augment.resolve()}
 
 
 def cut_back(run_dir: Path, cfg: CoreConfig, done: int, *, command: str | None,

@@ -107,6 +107,8 @@ def test_a_resumed_run_keeps_the_layout_it_began_with(tiny_run, tmp_path, monkey
     # and whether its convolutions ran nn.narrow_conv's kernel (AVX2 or AVX-512 CPUs)
     narrow = "kernel" if narrow_conv.isa() in narrow_conv.FAST_ISAS else "off"
     assert [r["layout"]["narrow_conv"] for r in records] == [narrow, narrow]
+    # and what its augmentation ran on (the CPU kernel where it builds: bitwise XLA's images)
+    assert [r["layout"]["augment"] for r in records] == [pools, pools]
     for r in records:
         del r["layout"]
     (run / "environment.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))

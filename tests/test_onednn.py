@@ -278,12 +278,12 @@ def test_failed_build_is_reported_and_leaves_no_library(monkeypatch, tmp_path):
     # The other sources trivial ones of the same names: the build fails on the broken one
     # without compiling the real kernels twice (with and without OpenMP).
     for name, attr in (("group_norm.cc", "GROUP_NORM_SOURCE"), ("max_pool.cc", "MAX_POOL_SOURCE"),
-                       ("narrow_conv.cc", "NARROW_CONV_SOURCE")):
+                       ("narrow_conv.cc", "NARROW_CONV_SOURCE"), ("augment.cc", "AUGMENT_SOURCE")):
         (tmp_path / name).write_text(f"int fedjax_{attr.lower()}_stand_in;\n")
         monkeypatch.setattr(onednn, attr, tmp_path / name)
     monkeypatch.setenv("FEDJAX_RCL_CACHE", str(tmp_path / "cache"))
     with pytest.raises(onednn.OneDnnUnavailable, match="building broken.cc, group_norm.cc, "
-                       "max_pool.cc, narrow_conv.cc failed"):
+                       "max_pool.cc, narrow_conv.cc, augment.cc failed"):
         onednn._build(onednn._build_inputs())
     assert not list(Path(tmp_path / "cache" / "ext").glob("*.so"))
 

@@ -12,12 +12,15 @@ package runs it now, in one run: fresh processes in rotation, one round timed af
   convolutions and pools taking all the clients in one call, the layout the cost model then
   picks (side by side since its refit to those), every convolution on oneDNN (the second
   ``after``, 2026-11-30; ``nn.narrow_conv.MODE="off"``);
-- ``after``: the defaults (as ``batched``, with ``fedjax_rcl.nn.narrow_conv``'s kernel for the
-  convolutions with few output channels: conv1's forward, conv2's input gradient).
+- ``narrow``: as ``batched``, with ``fedjax_rcl.nn.narrow_conv``'s kernel for the convolutions
+  with few output channels: conv1's forward, conv2's input gradient (the third ``after``,
+  2026-11-30; ``data.augment.KERNEL="off"``);
+- ``after``: the defaults (as ``narrow``, with the training augmentation on the CPU kernel of
+  ``fedjax_rcl.data.augment``: bitwise the same images).
 
 ``before`` and ``spin`` run the pools as XLA's fusions and the convolutions under vmap as one
-FFI call per client (``_kernels_then``, in their processes); all but ``after`` run every
-convolution on oneDNN.
+FFI call per client (``_kernels_then``, in their processes); all but ``narrow`` and ``after``
+run every convolution on oneDNN; all but ``after`` the augmentation as XLA's gather.
 
     CIFAR10_JPEG_ZIP=/path/cifar10-jpeg.zip \\
         python experiments/small_model_speed/moon_round_before_after.py --passes 2 --json out.json
@@ -37,6 +40,7 @@ SETTINGS = {  # name: (environment, config overrides, the package's kernels then
                 "GOMP_SPINCOUNT": "300000"}, ["clients_in_parallel=10"], "then"),
     "spin": ({}, ["clients_in_parallel=1"], "then"),
     "batched": ({}, [], "batched"),
+    "narrow": ({}, [], "narrow"),
     "after": ({}, [], "now"),
 }
 
@@ -69,6 +73,10 @@ def child(name: str) -> None:
         from fedjax_rcl.nn import narrow_conv
 
         narrow_conv.MODE = "off"  # every convolution on oneDNN, as before that kernel
+    if SETTINGS[name][2] != "now":
+        from fedjax_rcl.data import augment
+
+        augment.KERNEL = "off"  # XLA's gather, as before the augmentation kernel
     cfg = load_config(str(ROOT / "experiments/paper/moon_cifar10_cnn.yaml"),
                       ["algorithm=moon", "rounds=2", *SETTINGS[name][1],
                        f"dataset=imagefolder:{os.environ['CIFAR10_JPEG_ZIP']}"])

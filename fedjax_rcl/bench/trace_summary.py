@@ -105,9 +105,9 @@ def _custom_call(target: str) -> str:
         return "convolution"
     if re.search(r"gemm|matmul|cublas", t):
         return "matmul"
-    if "norm" in t or "pool" in t:
-        # the normalization and pool kernels (fedjax_group_norm_*, fedjax_bias_relu_max_pool_*):
-        # the work XLA fuses otherwise
+    if "norm" in t or "pool" in t or "augment" in t:
+        # the normalization, pool and augmentation kernels (fedjax_group_norm_*,
+        # fedjax_bias_relu_max_pool_*, fedjax_augment_images): the work XLA fuses otherwise
         return "elementwise"
     return "other"
 

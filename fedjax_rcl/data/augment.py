@@ -18,6 +18,13 @@ with crop offsets ``o ~ U{0..2p}``, a positive angle rotating counter-clockwise 
 torchvision), rotation centre ``kappa = ((H-1)/2, (W-1)/2)``, and reads 0
 when ``(u, v)`` falls in the crop padding or ``(r, c)`` falls outside the image. This equals
 applying rotation, then padded crop, then flip one after the other (tested against that).
+
+On a CPU ``augment_batch`` runs the map, the gather and the normalisation as one C++ pass
+(``csrc/augment.cc``, built with the oneDNN convolutions by ``fedjax_rcl.nn.onednn``): XLA
+compiles them as a gather fusion that recomputes the coordinate for every channel of every pixel
+and reads one byte at a time, a tenth of a small CNN's round. The kernel takes the per-sample
+draws (and the rotation's cosine and sine) from this module's XLA code and gives bitwise the
+same images (tested); ``KERNEL = "off"`` keeps XLA's gather.
 """
 
 from __future__ import annotations
@@ -27,6 +34,9 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+
+from fedjax_rcl.nn import onednn
 
 
 class Transforms(NamedTuple):
@@ -117,6 +127,48 @@ def augment_image(key: jax.Array, image: jax.Array, *, max_degrees: float = 10.0
     return jnp.where(valid[..., None], out, jnp.zeros_like(out))
 
 
+# "auto": the CPU kernel (``csrc/augment.cc``) where it applies; "off": XLA's gather everywhere.
+# Read when a program is traced.
+KERNEL = "auto"
+
+
+def resolve() -> str:
+    """``"kernel"`` or ``"xla"``: what ``augment_batch`` runs uint8 images through in programs
+    traced now (the kernel on a CPU backend where the extension builds, unless ``KERNEL`` is
+    ``"off"``)."""
+    on_cpu = jax.default_backend() == "cpu"
+    return "kernel" if KERNEL == "auto" and on_cpu and onednn.available() else "xla"
+
+
+def kernel_applies(images: jax.Array, mean, std) -> bool:
+    """Whether ``augment_batch`` runs these operands through the CPU kernel: uint8 ``[B, H, W,
+    C]`` images, constant normalisation (the kernel takes it as attributes), and ``resolve()``
+    says ``"kernel"``."""
+    traced = any(isinstance(v, jax.core.Tracer) for v in (mean, std))
+    return (images.dtype == jnp.uint8 and images.ndim == 4 and not traced
+            and resolve() == "kernel")
+
+
+def _kernel_batch(keys, images, mean, std, max_degrees, crop_padding, hflip, pad_mode):
+    """``augment_batch`` with the map, the gather and the normalisation in the CPU kernel
+    (``csrc/augment.cc``); the draws and the rotation's cosine and sine are this module's XLA
+    code, and the kernel's float32 arithmetic is what XLA compiles ``source_coordinates`` and
+    ``normalize`` into, so that the images are bitwise the same."""
+    if pad_mode not in ("zero", "reflect"):
+        raise ValueError(f"pad_mode={pad_mode!r}: must be 'zero' or 'reflect'")
+    p = jax.vmap(lambda k: augment_params(k, max_degrees=max_degrees, crop_padding=crop_padding,
+                                          hflip=hflip))(keys)
+    f32, i32 = np.float32, jnp.int32
+    # The reciprocals XLA folds ``normalize``'s divisions by constants into.
+    return onednn.call(
+        "fedjax_augment_images", jax.ShapeDtypeStruct(images.shape, jnp.float32), images,
+        jnp.cos(p["angle"]), jnp.sin(p["angle"]), p["oy"].astype(i32), p["ox"].astype(i32),
+        p["flip"].astype(i32), vmap_method="broadcast_all",  # under vmap: every client at once
+        neg_mean=-np.asarray(mean, f32), inv_std=f32(1) / np.asarray(std, f32),
+        inv_255=f32(1) / f32(255), pad=np.int64(crop_padding),
+        reflect=np.int64(pad_mode == "reflect"))
+
+
 def augment_batch(key: jax.Array, images: jax.Array, *, mean: Sequence[float],
                   std: Sequence[float], max_degrees: float = 10.0, crop_padding: int = 4,
                   hflip: bool = True, pad_mode: str = "zero") -> jax.Array:
@@ -135,6 +187,8 @@ def augment_batch(key: jax.Array, images: jax.Array, *, mean: Sequence[float],
       ``float32 [B, H, W, C]``.
     """
     keys = jax.random.split(key, images.shape[0])
+    if kernel_applies(images, mean, std):
+        return _kernel_batch(keys, images, mean, std, max_degrees, crop_padding, hflip, pad_mode)
     out = jax.vmap(
         lambda k, im: augment_image(k, im, max_degrees=max_degrees, crop_padding=crop_padding,
                                     hflip=hflip, pad_mode=pad_mode)

@@ -10,7 +10,10 @@ and registers three FFI targets; ``fedjax_rcl.nn.conv.onednn_conv_general_dilate
 them into a differentiable convolution. The same library carries the GroupNorm kernels of
 ``csrc/group_norm.cc`` (two more targets, ``fedjax_rcl.nn.group_norm``): XLA:CPU's fused
 reductions need their inputs materialised, and a differentiated GroupNorm reads and writes each
-activation about ten times where a hand-written kernel needs four passes.
+activation about ten times where a hand-written kernel needs four passes. The pool kernel of
+``csrc/max_pool.cc`` (``fedjax_rcl.nn.pool``), the narrow convolutions of ``csrc/narrow_conv.cc``
+(``fedjax_rcl.nn.narrow_conv``) and the training augmentation of ``csrc/augment.cc``
+(``fedjax_rcl.data.augment``) are built into the same library.
 
 The build needs a C++17 compiler (``$CXX`` or ``g++``), jaxlib's FFI headers and the
 ``onednn-devel-cpu-gomp`` wheel (a dependency on x86-64 Linux). When any of them is missing,
@@ -41,6 +44,7 @@ SOURCE = Path(__file__).parent / "csrc" / "onednn_conv.cc"
 GROUP_NORM_SOURCE = Path(__file__).parent / "csrc" / "group_norm.cc"
 MAX_POOL_SOURCE = Path(__file__).parent / "csrc" / "max_pool.cc"
 NARROW_CONV_SOURCE = Path(__file__).parent / "csrc" / "narrow_conv.cc"
+AUGMENT_SOURCE = Path(__file__).parent / "csrc" / "augment.cc"
 # FFI target name -> exported handler symbol: the convolutions, then the GroupNorm kernels.
 TARGETS = {
     "fedjax_onednn_conv_forward": "FedjaxOnednnConvForward",
@@ -59,6 +63,7 @@ NARROW_CONV_TARGETS = {
     "fedjax_narrow_conv_forward": "FedjaxNarrowConvForward",
     "fedjax_narrow_conv_backward_data": "FedjaxNarrowConvBackwardData",
 }
+AUGMENT_TARGETS = {"fedjax_augment_images": "FedjaxAugmentImages"}
 _HEADERS_DIST, _LIBRARY_DIST = "onednn-devel-cpu-gomp", "onednn-cpu-gomp"
 
 
@@ -168,7 +173,7 @@ def _compile(inputs: dict, out: Path) -> None:
 
 
 def _sources() -> tuple[Path, ...]:
-    return (SOURCE, GROUP_NORM_SOURCE, MAX_POOL_SOURCE, NARROW_CONV_SOURCE)
+    return (SOURCE, GROUP_NORM_SOURCE, MAX_POOL_SOURCE, NARROW_CONV_SOURCE, AUGMENT_SOURCE)
 
 
 def _libgomp_loaded() -> bool:
@@ -200,7 +205,7 @@ def _load() -> ctypes.CDLL | OneDnnUnavailable:
     try:
         lib = ctypes.CDLL(str(_build(_build_inputs())))
         for target, symbol in {**TARGETS, **GROUP_NORM_TARGETS, **MAX_POOL_TARGETS,
-                               **NARROW_CONV_TARGETS}.items():
+                               **NARROW_CONV_TARGETS, **AUGMENT_TARGETS}.items():
             jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)),
                                         platform="cpu")
         return lib
