@@ -6,7 +6,9 @@ once under the JAX profiler and summarised by ``fedjax_rcl.bench.trace_summary``
     python tools/profile_round.py --model cnn --clients 10 --json out.json
 
 Synthetic CIFAR-shaped images (speed only); ``--clients`` of 100 take part, each with 100
-samples, one local epoch of batch 50 (ResNet-18's CPU setting in ``bench_round.py``).
+samples, one local epoch of batch 50 (ResNet-18's CPU setting in ``bench_round.py``): two
+steps, the first of which finds caches and fresh buffers cold; ``--local-epochs`` gives each
+client more steps, so that an operation's time is that of a step in a long round.
 """
 
 from __future__ import annotations
@@ -36,13 +38,16 @@ def main() -> None:
     p.add_argument("--clients", type=int, default=5)
     p.add_argument("--clients-in-parallel", type=int, default=1,
                    help="the round's client layout (0: the cost model's choice)")
+    p.add_argument("--local-epochs", type=int, default=1,
+                   help="local epochs of two steps each (1: the profiles in BENCHMARKS.md)")
     p.add_argument("--top", type=int, default=15, help="operations listed")
     p.add_argument("--json", help="write the whole summary here")
     args = p.parse_args()
 
     cfg = Config(dataset="fake", model=args.model, algorithm=args.algorithm, norm=args.norm,
                  num_clients=100, participation=args.clients / 100, partition="iid",
-                 local_epochs=1, batch_size=50, clients_in_parallel=args.clients_in_parallel)
+                 local_epochs=args.local_epochs, batch_size=50,
+                 clients_in_parallel=args.clients_in_parallel)
     exp = build(cfg, fake_cifar(100 * 100))
     compiled = jax.jit(exp.run_round).lower(exp.state, exp.data).compile(exp.compiler_options)
     jax.block_until_ready(compiled(exp.state, exp.data))  # warm-up: kernels picked, memory held

@@ -8,6 +8,10 @@ bitwise the rounds without it.
         # reflect-padded crop, flip) and fed to MOON's CNN's first convolution, inside a scan
         # of 20 steps: us a step with XLA's gather ("xla"), the kernel ("kernel"), and no
         # augmentation at all ("none": the convolution on a ready input), 2 passes each
+    python experiments/small_model_speed/augment_kernel.py bench
+        # tools/bench_round.py's CNN round (5 of 100 clients side by side, 500 synthetic images
+        # each, 5 local epochs of batch 50; FedAvg, FedRCL and MOON with `cnn`), compiled with
+        # XLA's gather and with the kernel in one process, timed alternately: s a round
     python experiments/small_model_speed/augment_kernel.py rounds
         # two rounds of FedAvg (cnn, FedRCL's transform) and MOON (moon_cnn, MOON's transform)
         # on synthetic images, 10 of 20 clients, two local epochs, compiled with each model's
@@ -76,6 +80,42 @@ def step() -> None:
         print(json.dumps(row), flush=True)
 
 
+def bench() -> None:
+    import statistics
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
+    from bench_round import fake_cifar  # the benchmark's synthetic images
+
+    from fedjax_rcl.config import Config
+    from fedjax_rcl.experiment import build
+
+    for algorithm in ("fedavg", "fedrcl", "moon"):
+        runs = {}
+        for mode in ("off", "auto"):
+            augment.KERNEL = mode  # read when the round is traced (compile_rounds traces it)
+            cfg = Config(dataset="fake", model="cnn", algorithm=algorithm, num_clients=100,
+                         participation=0.05, partition="iid", local_epochs=5, batch_size=50,
+                         eval_every=1)
+            exp = build(cfg, fake_cifar(100 * 500))
+            step = exp.compile_rounds(1)
+            state, _ = step(exp.state, 1)  # warm-up
+            jax.block_until_ready(state)
+            runs[mode] = [step, state, []]
+        augment.KERNEL = "auto"
+        for _ in range(5):
+            for mode in ("off", "auto"):
+                step, state, times = runs[mode]
+                t = time.perf_counter()
+                state, _ = step(state, 1)
+                jax.block_until_ready(state)
+                times.append(round(time.perf_counter() - t, 4))
+                runs[mode][1] = state
+        off, on = (statistics.median(runs[m][2]) for m in ("off", "auto"))
+        print(json.dumps({"algorithm": algorithm, "model": "cnn", "clients": 5,
+                          "xla_round_s": runs["off"][2], "kernel_round_s": runs["auto"][2],
+                          "kernel_over_xla_median": round(on / off, 3)}), flush=True)
+
+
 def rounds() -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
     from bench_round import fake_cifar  # the benchmark's synthetic images
@@ -109,4 +149,4 @@ def rounds() -> None:
 
 
 if __name__ == "__main__":
-    {"step": step, "rounds": rounds}[sys.argv[1]]()
+    {"step": step, "bench": bench, "rounds": rounds}[sys.argv[1]]()
