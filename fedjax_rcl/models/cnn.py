@@ -10,7 +10,7 @@ from __future__ import annotations
 import flax.linen as nn
 import jax
 
-from fedjax_rcl.models.base import ModelOutput
+from fedjax_rcl.models.base import ModelOutput, spatial_mean
 from fedjax_rcl.models.parts import head
 from fedjax_rcl.nn.conv import torch_conv, torch_dense
 from fedjax_rcl.nn.pool import bias_relu_max_pool
@@ -41,7 +41,10 @@ class SmallCNN(nn.Module):
             if i < start:
                 continue
             y, bias = torch_conv(x.shape[-1], width, 5, split_bias=True, name=f"conv{i + 1}")(x)
-            levels.append(y + bias)  # computed only where an algorithm reads the levels
+            # The level pooled here, mean(y) + bias: mean(y + bias) up to rounding, without
+            # a full-size add forward and a full-size sum for the bias's gradient (computed
+            # only where an algorithm reads the levels).
+            levels.append(spatial_mean(y) + bias)
             x = bias_relu_max_pool(y, bias, 2)
             blocks.append(x)
         x = x.reshape(x.shape[0], -1)
