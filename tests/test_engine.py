@@ -214,17 +214,21 @@ def test_fused_rounds_equal_single_rounds(toy):
     for _ in range(3):
         before, (state, m) = state, one(state, exp.data)
         losses.append(float(m["loss"]))
-    np.testing.assert_allclose(np.asarray(metrics["loss"]), losses, rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(metrics["loss"]), losses, rtol=1e-4)
     # Two programs compiled apart may associate their float sums differently (1e-8 on the
-    # weights after one round), and a ReLU input that sits at 0 can turn that into 1e-5 on a
-    # few weights a round later (seen at XLA:CPU's optimisation level 0). A round of training
-    # moves the weights by far more than the tolerance, so a fused program that skipped,
-    # repeated or mis-keyed a round could not pass.
-    chex.assert_trees_all_close(fused.params, state.params, rtol=1e-4, atol=1e-4)
-    moved = max(float(jnp.max(jnp.abs(a - b)))
-                for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(before.params),
-                               strict=True))
+    # weights after one round), and a ReLU input that sits at 0 can turn that into 1e-5 to 2e-4
+    # on a few weights two rounds later (seen at XLA:CPU's optimisation level 0; how much
+    # depends on where the rounding falls, so no fixed tolerance is safe). A skipped, repeated
+    # or mis-keyed round moves the weights by about a round's training, so the bound is a
+    # fifth of what the last round moved them (measured: 2.0e-4 against 1.8e-2).
+    def largest(a, b):
+        return max(float(jnp.max(jnp.abs(x - y)))
+                   for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True))
+
+    moved = largest(state.params, before.params)
     assert moved > 1e-2, moved
+    assert largest(fused.params, state.params) < moved / 5, (
+        largest(fused.params, state.params), moved)
 
 
 def test_sampling_depends_only_on_seed_round_client():
